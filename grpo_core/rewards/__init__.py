@@ -1,0 +1,53 @@
+"""Reward functions with TRL's signature, a registry, and failure-tolerant batch scoring.
+
+    from grpo_core import rewards
+    fn = rewards.get("accuracy")                  # or "my_pkg.my_mod:my_reward"
+    fn(prompts, completions, answer=answers)      # -> list[float | None]
+    rewards.score_completions(prompts, completions, {"answer": answers},
+                              {"accuracy": 1.0, "format": 0.5})   # -> ScoreResult
+
+Built-in names: ``accuracy``, ``math_verify``, ``format``, ``tag_count``,
+``language_consistency``, ``soft_overlong``, ``cosine``, ``repetition``, ``code_tests``,
+``code_compiles``, ``code_runs``, ``code_ruff_clean``, ``test_has_assert``.
+See docs/rewards.md.
+"""
+
+from grpo_core.rewards import accuracy as _accuracy  # noqa: F401  (registers)
+from grpo_core.rewards import code as _code  # noqa: F401
+from grpo_core.rewards import format as _format  # noqa: F401
+from grpo_core.rewards import length as _length  # noqa: F401
+from grpo_core.rewards.base import (
+    REWARDS,
+    RewardFn,
+    Scores,
+    completion_text,
+    get,
+    load_user_function,
+    names,
+    register,
+)
+from grpo_core.rewards.code import extract_program, run_many
+from grpo_core.rewards.length import cosine_scaled, repetition_penalty, soft_overlong_penalty
+from grpo_core.rewards.sandbox import Limits, RunResult, run_program
+from grpo_core.rewards.scoring import ScoreResult, score_completions
+
+__all__ = [
+    "REWARDS",
+    "RewardFn",
+    "ScoreResult",
+    "Scores",
+    "Limits",
+    "RunResult",
+    "completion_text",
+    "cosine_scaled",
+    "extract_program",
+    "repetition_penalty",
+    "run_many",
+    "run_program",
+    "soft_overlong_penalty",
+    "get",
+    "load_user_function",
+    "names",
+    "register",
+    "score_completions",
+]

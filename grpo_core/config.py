@@ -1,0 +1,224 @@
+"""Pipeline configuration: one pydantic model per stage, unknown keys rejected by name.
+
+GRPO knob names follow TRL's ``GRPOConfig`` (``num_generations``, ``beta``, ``epsilon``,
+``epsilon_high``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ``temperature``,
+``max_completion_length``) so a TRL user can carry their settings over.
+
+Math functions never receive these objects: tasks turn a section into plain arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TrackingConfig(Section):
+    uri: str = "sqlite:///mlflow.db"
+    experiment: str = "grpo-pipeline"
+
+
+class DemoModelConfig(Section):
+    hidden_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    intermediate_size: int = 512
+
+
+class ModelConfig(Section):
+    source: Literal["demo", "path"] = "demo"
+    path: str | None = Field(None, description="save_pretrained directory when source=path")
+    demo: DemoModelConfig = DemoModelConfig()
+
+    @model_validator(mode="after")
+    def _path_given(self) -> ModelConfig:
+        if self.source == "path" and not self.path:
+            raise ValueError("model.path is required when model.source is 'path'")
+        return self
+
+
+class DemoDataConfig(Section):
+    digits: int = Field(3, ge=1, le=6)
+    n_sft: int = Field(1000, ge=1)
+    n_rl: int = Field(20000, ge=1)
+    n_dev: int = Field(100, ge=0, description="SFT early-stop split, disjoint from eval")
+    n_eval: int = Field(200, ge=1)
+
+
+class DataConfig(Section):
+    source: Literal["demo", "files"] = "demo"
+    sft_path: str | None = None
+    rl_path: str | None = None
+    eval_path: str | None = None
+    demo: DemoDataConfig = DemoDataConfig()
+
+    @model_validator(mode="after")
+    def _paths_given(self) -> DataConfig:
+        if self.source == "files":
+            missing = [k for k in ("sft_path", "rl_path", "eval_path") if not getattr(self, k)]
+            if missing:
+                raise ValueError(f"data.source is 'files' but {', '.join(missing)} not set")
+        return self
+
+
+class SFTConfig(Section):
+    max_steps: int = Field(1200, ge=0)
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(20, ge=0)
+    max_grad_norm: float = 1.0
+    target_accuracy: float | None = Field(
+        None, ge=0, le=1, description="stop once greedy dev accuracy reaches this"
+    )
+    eval_every: int = Field(100, ge=1)
+    min_steps: int = Field(0, ge=0, description="no early stop before this step")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf"] = "hf"
+    batch_size: int = Field(512, ge=1, description="sequences per generation micro-batch")
+
+
+class RLConfig(Section):
+    iterations: int = Field(40, ge=0, description="generation batches (rollout->score->update)")
+    prompts_per_iteration: int = Field(32, ge=1)
+    num_generations: int = Field(8, ge=2)
+    steps_per_generation: int = Field(4, ge=1, description="optimizer steps per generation batch")
+    num_iterations: int = Field(1, ge=1, description="mu: passes over each generation batch")
+    learning_rate: float = Field(1e-4, gt=0)
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    beta: float = Field(0.0, ge=0)
+    epsilon: float = Field(0.2, gt=0)
+    epsilon_high: float | None = None
+    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    advantage_estimator: str = "grpo"
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    mask_truncated_completions: bool = False
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_completion_length: int = Field(48, ge=1)
+    eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
+
+    @model_validator(mode="after")
+    def _divisible(self) -> RLConfig:
+        if self.prompts_per_iteration % self.steps_per_generation:
+            raise ValueError(
+                f"rl.prompts_per_iteration ({self.prompts_per_iteration}) must be divisible by "
+                f"rl.steps_per_generation ({self.steps_per_generation}) so each step sees whole groups"
+            )
+        return self
+
+
+class RejectionConfig(Section):
+    num_prompts: int = Field(512, ge=1)
+    num_generations: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    max_completion_length: int = Field(48, ge=1)
+    min_reward: float = Field(1.1, description="keep completions whose total reward >= this")
+    max_per_prompt: int = Field(2, ge=1)
+
+
+class EvalConfig(Section):
+    num_examples: int | None = Field(None, ge=1, description="None: the whole eval split")
+    max_completion_length: int = Field(48, ge=1)
+    sample_table_rows: int = Field(20, ge=0)
+
+
+class PipelineConfig(Section):
+    """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
+
+    run_name: str = "demo"
+    seed: int = 0
+    output_dir: str = "runs"
+    torch_threads: int | None = None
+    tracking: TrackingConfig = TrackingConfig()
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
+    rollout: RolloutConfig = RolloutConfig()
+    sft: SFTConfig = SFTConfig()
+    rl: RLConfig = RLConfig()
+    rejection_sampling: RejectionConfig = RejectionConfig()
+    re_sft: dict[str, Any] = Field(default_factory=dict)
+    rl_2: dict[str, Any] = Field(default_factory=dict)
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _overrides_valid(self) -> PipelineConfig:
+        self.re_sft_config()
+        self.rl_2_config()
+        if not self.rewards:
+            raise ValueError("rewards: at least one reward function is required")
+        return self
+
+    def re_sft_config(self) -> SFTConfig:
+        try:
+            return SFTConfig(**{**self.sft.model_dump(), **self.re_sft})
+        except ValidationError as e:
+            raise ValueError(f"re_sft: {e}") from None
+
+    def rl_2_config(self) -> RLConfig:
+        try:
+            return RLConfig(**{**self.rl.model_dump(), **self.rl_2})
+        except ValidationError as e:
+            raise ValueError(f"rl_2: {e}") from None
+
+
+DEFAULT_CONFIG = "demo.yaml"
+
+
+def default_config_path() -> Path:
+    return Path(str(resources.files("configs") / DEFAULT_CONFIG))
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in order."""
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. rl.learning_rate=1e-5")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """Read a YAML preset (the packaged demo by default), apply overrides, validate."""
+    path = Path(path) if path else default_config_path()
+    if not path.exists():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        return PipelineConfig(**raw)
+    except ValidationError as e:
+        raise ValueError(f"{path}: invalid config:\n{e}") from None

@@ -1,0 +1,99 @@
+"""Off-policy bookkeeping: when old log-probs are needed, and the rollout-engine correction.
+
+``num_iterations`` (mu in DeepSeekMath, Algorithm 1): each generation batch is reused for mu
+policy updates. The ratio's denominator ``old_logp`` must then be the log-probs of the policy
+that *sampled* the batch, computed once per generation batch (one no-grad forward) and reused
+across the mu iterations. With mu = 1 and one optimizer step per generation batch the sampling
+policy *is* the current one, so ``old_logp = logp.detach()`` (pass ``old_logp=None`` to
+``grpo_core.losses.policy_loss``) and no extra forward is spent.
+
+Rollout-engine mismatch (Yao et al., "Your efficient RL framework secretly brings you off-policy
+RL training", 2025; TRL's ``vllm_importance_sampling_*``): the engine's log-probs
+``sampling_logp`` differ from the trainer's ``old_logp`` even for the same weights. The
+correction weight ``exp(old_logp - sampling_logp)``, per token or per sequence (sum over tokens),
+is truncated (``*_truncate``: clamp to [clip_min, clip_max], TIS) or masked (``*_mask``: weights
+outside [clip_min, clip_max] set to 0, MIS), detached, and multiplies the per-token policy loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def needs_old_logprobs(
+    num_iterations: int = 1,
+    optimizer_steps_per_generation: int = 1,
+    importance_sampling_correction: bool = False,
+) -> bool:
+    """Whether the update must compute ``old_logp`` with a separate forward (TRL's rule).
+
+    False only when every sample is used once, by the policy that generated it (mu = 1, one
+    optimizer step per generation batch) and no engine correction is asked for.
+    """
+    if num_iterations < 1 or optimizer_steps_per_generation < 1:
+        raise ValueError("num_iterations and optimizer_steps_per_generation must be >= 1")
+    return (
+        num_iterations > 1 or optimizer_steps_per_generation > 1 or importance_sampling_correction
+    )
+
+
+def resolve_old_logprobs(logp: Tensor, old_logp: Tensor | None) -> Tensor:
+    """``old_logp`` if given, else the detached current log-probs (mu = 1)."""
+    return logp.detach() if old_logp is None else old_logp  # [B, T]
+
+
+def engine_importance_weights(
+    old_logp: Tensor,
+    sampling_logp: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Rollout-engine importance weights and TRL's ``sampling/*`` metrics.
+
+    Args:
+        old_logp: ``[B, T]`` trainer log-probs of the sampled tokens (no grad).
+        sampling_logp: ``[B, T]`` the engine's log-probs of the same tokens.
+        mask: ``[B, T]`` completion mask.
+        mode: ``token_truncate`` | ``token_mask`` | ``sequence_truncate`` | ``sequence_mask``
+            (TRL's default).
+        clip_min, clip_max: bounds (``None`` = unbounded on that side; TRL defaults None, 3.0).
+
+    Returns:
+        ``(weights, metrics)``: weights ``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes),
+        detached; metrics ``sampling/sampling_logp_difference/{mean,max}`` and
+        ``sampling/importance_sampling_ratio/{min,mean,max}``.
+    """
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
+    old_logp, sampling_logp = old_logp.detach(), sampling_logp.detach()
+    m = mask.to(old_logp.dtype)  # [B, T]
+    diff = (old_logp - sampling_logp) * m  # [B, T]
+    sequence_level = mode.startswith("sequence")
+    log_w = diff.sum(-1, keepdim=True) if sequence_level else diff  # [B, 1] or [B, T]
+    w = torch.exp(log_w)  # [B, 1] or [B, T]
+    if mode.endswith("truncate"):
+        w = torch.clamp(w, min=clip_min, max=clip_max)
+    else:
+        lo = -math.inf if clip_min is None else clip_min
+        hi = math.inf if clip_max is None else clip_max
+        w = w.masked_fill((w < lo) | (w > hi), 0.0)
+
+    on = mask.bool()  # [B, T]
+    gap = (old_logp - sampling_logp).abs()[on]  # [M]
+    flat_w = w.flatten() if sequence_level else w[on]  # [B] or [M]
+    metrics = {
+        "sampling/sampling_logp_difference/mean": gap.mean().item() if gap.numel() else 0.0,
+        "sampling/sampling_logp_difference/max": gap.max().item() if gap.numel() else 0.0,
+        "sampling/importance_sampling_ratio/min": flat_w.min().item() if flat_w.numel() else 0.0,
+        "sampling/importance_sampling_ratio/mean": flat_w.mean().item() if flat_w.numel() else 0.0,
+        "sampling/importance_sampling_ratio/max": flat_w.max().item() if flat_w.numel() else 0.0,
+    }
+    return w, metrics

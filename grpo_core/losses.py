@@ -1,0 +1,256 @@
+"""The GRPO-family policy loss: ratio, clipping, KL penalty, loss aggregation.
+
+Reading order follows the objective of DeepSeekMath (Shao et al., 2024, arXiv:2402.03300, eq. 3):
+
+    J = E[ 1/G sum_i 1/|o_i| sum_t ( min(r_it A_i, clip(r_it, 1-eps_lo, 1+eps_hi) A_i)
+                                     - beta * KL_t ) ]
+
+1. importance ratio ``r = exp(logp - old_logp)``, per token, or per sequence as GSPO
+   (Zheng et al., 2025, arXiv:2507.18071: ``exp(mean_t(logp - old_logp))`` broadcast to tokens);
+2. the per-token objective, from ``POLICY_OBJECTIVES``: ``"clip"`` (PPO clip with DAPO's
+   clip-higher ``epsilon_high``, Yu et al., 2025, arXiv:2503.14476; verl's dual-clip bound
+   ``clip_ratio_c`` for negative advantages, Ye et al., 2020, arXiv:1912.09729; TRL's two-sided
+   ``delta``, INTELLECT-2) or ``"cispo"`` (MiniMax-M1, arXiv:2506.13585);
+3. optional per-token weights (top-entropy mask, vLLM importance-sampling correction);
+4. ``+ beta * KL`` with an estimator from ``grpo_core.kl`` (k3 by default);
+5. aggregation over tokens by ``loss_type`` from ``LOSS_AGGREGATIONS``, as TRL defines it.
+
+Gradient accumulation: ``num_items_in_batch`` is the normaliser of the *whole* (accumulated)
+batch: its number of completion tokens for ``dapo``/``bnpo``, its number of sequences for
+``grpo``/``dr_grpo``. With it, the sum of the k micro-batch losses equals the loss of the whole
+batch. Without it, the micro-batch is the whole batch. (TRL's ``bnpo`` instead divides each
+micro-batch's token mean by k; pass ``num_items_in_batch=None`` and divide by k to reproduce it.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from grpo_core.kl import kl_divergence
+from grpo_core.registry import Registry
+
+
+class ObjectiveOut(NamedTuple):
+    """A per-token policy objective and where it clipped."""
+
+    loss: Tensor  # [B, T] or [B, 1] per-token (per-sequence for GSPO) loss, before masking
+    low_clipped: Tensor  # same shape, bool: ratio < 1 - eps_lo with A < 0
+    high_clipped: Tensor  # same shape, bool: ratio > 1 + eps_hi with A > 0
+
+
+ObjectiveFn = Callable[..., ObjectiveOut]
+AggregationFn = Callable[..., Tensor]
+POLICY_OBJECTIVES: Registry[ObjectiveFn] = Registry("policy objective")
+LOSS_AGGREGATIONS: Registry[AggregationFn] = Registry("loss_type")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@POLICY_OBJECTIVES.register("clip")
+def clipped_objective(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    logp: Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_ratio_c: float | None = None,
+    delta: float | None = None,
+) -> ObjectiveOut:
+    """PPO clipped surrogate ``-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)``.
+
+    ``clip_ratio_c`` (dual-clip, must be > 1): for ``A < 0`` the loss is capped at ``-c A``.
+    ``delta`` (TRL's two-sided clip): the unclipped ratio is capped at ``delta``.
+    """
+    del logp  # the ratio carries the gradient
+    ratio = torch.exp(log_ratio)  # [B, T] or [B, 1]
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # same shape
+    unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    loss = -torch.min(unclipped * advantages, clipped * advantages)  # [B, T]
+    if clip_ratio_c is not None:
+        if clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
+        capped = torch.min(loss, -advantages * clip_ratio_c)  # [B, T]
+        loss = torch.where(advantages < 0, capped, loss)
+    low = (ratio < 1 - epsilon_low) & (advantages < 0)
+    high = (ratio > 1 + epsilon_high) & (advantages > 0)
+    return ObjectiveOut(loss, low, high)
+
+
+@POLICY_OBJECTIVES.register("cispo")
+def cispo_objective(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    logp: Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_ratio_c: float | None = None,
+    delta: float | None = None,
+) -> ObjectiveOut:
+    """CISPO (MiniMax-M1): ``-sg(min(r, epsilon_high)) * A * logp``; as TRL, ``epsilon_high``
+    is the ratio cap itself (e.g. 5.0), not an offset from 1."""
+    del epsilon_low, clip_ratio_c, delta
+    ratio = torch.exp(log_ratio)  # [B, T]
+    weight = torch.clamp(ratio, max=epsilon_high).detach()  # [B, T]
+    high = (ratio > epsilon_high) & (advantages > 0)
+    return ObjectiveOut(-weight * advantages * logp, torch.zeros_like(high), high)
+
+
+@LOSS_AGGREGATIONS.register("grpo")
+def agg_grpo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
+    """GRPO paper: token mean per sequence, then mean over sequences (``num_items`` = sequences)."""
+    seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
+    n = per_token.shape[0] if num_items_in_batch is None else num_items_in_batch
+    return seq.sum() / n
+
+
+@LOSS_AGGREGATIONS.register("bnpo")
+def agg_bnpo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
+    """BNPO / TRL ``bnpo``: sum over the batch's tokens / number of tokens of the batch."""
+    n = mask.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
+    return (per_token * mask).sum() / n
+
+
+@LOSS_AGGREGATIONS.register("dapo")
+def agg_dapo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
+    """DAPO token-level loss: sum over all tokens / tokens of the whole (accumulated) batch."""
+    return agg_bnpo(per_token, mask, num_items_in_batch=num_items_in_batch)
+
+
+@LOSS_AGGREGATIONS.register("dr_grpo")
+def agg_dr_grpo(
+    per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, max_completion_length=None, **_
+) -> Tensor:
+    """Dr. GRPO (Liu et al., 2025): sum over tokens / (sequences x max_completion_length)."""
+    if max_completion_length is None:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+    n = per_token.shape[0] if num_items_in_batch is None else num_items_in_batch
+    return (per_token * mask).sum() / (n * max_completion_length)
+
+
+def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """GSPO's length-normalised sequence log-ratio ``mean_t(logp - old_logp)``, shape [B, 1]."""
+    return ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+        min=1.0
+    )
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Mean of ``x`` over mask tokens; a [B, 1] ``x`` (sequence level) is averaged over rows."""
+    if x.shape[-1] == 1 and mask.shape[-1] != 1:
+        return x.float().mean().item() if x.numel() else 0.0
+    x = x.float() * mask  # [B, T]
+    return (x.sum() / mask.sum().clamp(min=1.0)).item()
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    max_completion_length: int | None = None,
+    importance_sampling_level: str = "token",
+    num_items_in_batch: float | Tensor | None = None,
+    kl_estimator: str = "k3",
+    objective: str = "clip",
+    clip_ratio_c: float | None = None,
+    delta: float | None = None,
+    token_weights: Tensor | None = None,
+    importance_sampling_ratio: Tensor | None = None,
+    use_bias_correction_kl: bool = False,
+) -> tuple[Tensor, dict[str, float]]:
+    """GRPO-family loss of one (micro-)batch and its metrics (TRL's names).
+
+    Args:
+        logp: ``[B, T]`` log-probs of the completion tokens under the policy (with grad).
+        old_logp: ``[B, T]`` log-probs under the sampling policy; ``None`` means
+            ``logp.detach()`` (num_iterations = 1: ratio 1, no extra forward).
+        advantages: ``[B]`` (or ``[B, T]``) advantages.
+        mask: ``[B, T]`` float/bool, 1 on completion tokens that count.
+        ref_logp: ``[B, T]`` reference log-probs, needed when ``beta != 0``.
+        epsilon / epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``
+            (``epsilon_high=None`` means ``epsilon``).
+        loss_type: ``grpo`` | ``bnpo`` | ``dapo`` | ``dr_grpo`` (see module docstring).
+        importance_sampling_level: ``token`` or ``sequence`` (GSPO).
+        num_items_in_batch: whole-batch normaliser for gradient accumulation (module docstring).
+        kl_estimator: ``k1`` | ``k2`` | ``k3``.
+        objective: ``clip`` | ``cispo``.
+        clip_ratio_c: dual-clip bound for negative advantages (verl, e.g. 3.0).
+        delta: TRL's two-sided clip: cap of the unclipped ratio.
+        token_weights: ``[B, T]`` multiplies the policy term (e.g. the top-entropy mask).
+        importance_sampling_ratio: ``[B, T]`` or ``[B, 1]`` detached vLLM correction weights
+            (``grpo_core.importance``), multiplies the policy term as TRL.
+        use_bias_correction_kl: multiply the KL by the (sequence or token) ratio, as TRL.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss to ``backward()``; metrics ``policy_loss``,
+        ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` and
+        ``kl`` when ``beta != 0``.
+    """
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+            f"got {importance_sampling_level!r}"
+        )
+    aggregate = LOSS_AGGREGATIONS.get(loss_type)
+    objective_fn = POLICY_OBJECTIVES.get(objective)
+    mask = mask.to(logp.dtype)  # [B, T]
+    old_logp = logp.detach() if old_logp is None else old_logp  # [B, T]
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+
+    if importance_sampling_level == "token":
+        log_ratio = logp - old_logp  # [B, T]
+    else:
+        log_ratio = sequence_log_ratio(logp, old_logp, mask)  # [B, 1]
+
+    out = objective_fn(
+        log_ratio,
+        adv,
+        logp,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        delta=delta,
+    )
+    per_token = out.loss  # [B, T] or [B, 1]
+    if token_weights is not None:
+        per_token = per_token * token_weights  # [B, T]
+    if importance_sampling_ratio is not None:
+        per_token = per_token * importance_sampling_ratio.detach()  # [B, T]
+
+    metrics: dict[str, float] = {}
+    if beta != 0.0:
+        if ref_logp is None:
+            raise ValueError("beta != 0 needs ref_logp")
+        per_token_kl = kl_divergence(logp, ref_logp, kl_estimator)  # [B, T]
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * torch.exp(log_ratio)  # [B, T]
+        per_token = per_token + beta * per_token_kl  # [B, T]
+        metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
+
+    per_token = per_token.expand_as(mask)  # [B, T] (GSPO's [B, 1] broadcast over tokens)
+    loss = aggregate(
+        per_token,
+        mask,
+        num_items_in_batch=num_items_in_batch,
+        max_completion_length=max_completion_length,
+    )
+    region = out.low_clipped | out.high_clipped
+    metrics["policy_loss"] = loss.detach().item()
+    metrics["clip_ratio/low_mean"] = masked_mean(out.low_clipped, mask)
+    metrics["clip_ratio/high_mean"] = masked_mean(out.high_clipped, mask)
+    metrics["clip_ratio/region_mean"] = masked_mean(region, mask)
+    return loss, metrics

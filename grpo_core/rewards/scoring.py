@@ -1,0 +1,247 @@
+"""Score a batch of completions with several weighted reward functions, failure-tolerant.
+
+A reward function that raises on the batch is retried row by row, so one bad row costs one
+score, not the batch; its error is recorded per row (``"ValueError: ..."``) and the row's score
+is ``None``. Coroutine functions are awaited concurrently with each other.
+
+``total`` follows TRL's ``nansum``: the weighted sum over the functions that gave a number for
+the row; a row where every function gave ``None`` (or failed) totals ``0.0``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpo_core.rewards.base import get
+
+
+@dataclass
+class ScoreResult:
+    """Per-function scores and errors for one batch, plus the weighted total.
+
+    per_function: name -> one score per row (``None``: not applicable, failed, or non-number).
+    errors:       name -> one error string per row (``None`` where the function succeeded),
+                  e.g. ``"ValueError: bad gold answer"``.
+    total:        weighted sum per row over non-``None`` scores (TRL's ``nansum``; 0.0 when
+                  every function gave ``None``).
+    weights:      the weights used, by function name.
+    """
+
+    per_function: dict[str, list[float | None]]
+    errors: dict[str, list[str | None]]
+    total: list[float]
+    weights: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        """TRL-named metrics: ``reward``, ``reward_std``, ``rewards/<fn>/mean``, ``/std``,
+        and ``rewards/<fn>/error_rate`` (only the finite ones are reported)."""
+        out: dict[str, float] = {}
+        out["reward"], out["reward_std"] = _mean_std(self.total)
+        for name, scores in self.per_function.items():
+            mean, std = _mean_std([s for s in scores if s is not None])
+            out[f"rewards/{name}/mean"] = mean
+            out[f"rewards/{name}/std"] = std
+            errs = self.errors.get(name, [])
+            out[f"rewards/{name}/error_rate"] = (
+                sum(e is not None for e in errs) / len(errs) if errs else 0.0
+            )
+        return out
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    if not values:
+        return math.nan, math.nan
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, 0.0
+    var = sum((v - mean) ** 2 for v in values) / (len(values) - 1)  # unbiased, as torch.std
+    return mean, math.sqrt(var)
+
+
+def _error(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
+
+
+def _row_columns(columns: Mapping[str, Sequence[Any]], i: int) -> dict[str, list[Any]]:
+    return {k: [v[i]] for k, v in columns.items()}
+
+
+def _check_value(name: str, value: Any) -> tuple[float | None, str | None]:
+    """Validate one returned score: a finite real number, ``None`` or NaN (= not applicable)."""
+    if value is None:
+        return None, None
+    if isinstance(value, bool):
+        return float(value), None
+    try:
+        number = float(value) if _is_number(value) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None:
+        return (
+            None,
+            f"TypeError: reward function {name!r} returned {type(value).__name__}, not a number",
+        )
+    if math.isnan(number):
+        return None, None
+    if math.isinf(number):
+        return None, f"ValueError: reward function {name!r} returned {number}"
+    return number, None
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, int | float):
+        return True
+    # numpy / torch scalars (0-d): have __float__ and .item(), but not str/bytes
+    return hasattr(value, "__float__") and not isinstance(value, str | bytes)
+
+
+def _validate_batch(name: str, out: Any, n: int) -> tuple[list[float | None], list[str | None]]:
+    if isinstance(out, str | bytes) or not hasattr(out, "__len__"):
+        msg = f"TypeError: reward function {name!r} returned {type(out).__name__}, not a list"
+        return [None] * n, [msg] * n
+    values = list(out)
+    if len(values) != n:
+        msg = (
+            f"ValueError: reward function {name!r} returned {len(values)} values "
+            f"for {n} completions"
+        )
+        return [None] * n, [msg] * n
+    reported = getattr(out, "errors", None)  # grpo_core.rewards.Scores
+    if reported is None or isinstance(reported, str) or len(reported) != n:
+        reported = [None] * n
+    scores, errors = [], []
+    for v, r in zip(values, reported, strict=True):
+        s, e = _check_value(name, v)
+        scores.append(s)
+        errors.append(e or (None if r is None else str(r)))
+    return scores, errors
+
+
+def _call_sync(name, fn, prompts, completions, columns):
+    n = len(completions)
+    try:
+        out = fn(prompts=list(prompts), completions=list(completions), **columns)
+    except Exception:
+        scores: list[float | None] = []
+        errors: list[str | None] = []
+        for i in range(n):
+            try:
+                row = fn(
+                    prompts=[prompts[i]], completions=[completions[i]], **_row_columns(columns, i)
+                )
+            except Exception as exc:  # one failing row must not sink the batch
+                scores.append(None)
+                errors.append(_error(exc))
+                continue
+            s, e = _validate_batch(name, row, 1)
+            scores.append(s[0])
+            errors.append(e[0])
+        return scores, errors
+    return _validate_batch(name, out, n)
+
+
+async def _call_async(name, fn, prompts, completions, columns):
+    n = len(completions)
+    try:
+        out = await fn(prompts=list(prompts), completions=list(completions), **columns)
+    except Exception:
+
+        async def one(i):
+            try:
+                row = await fn(
+                    prompts=[prompts[i]], completions=[completions[i]], **_row_columns(columns, i)
+                )
+            except Exception as exc:
+                return None, _error(exc)
+            s, e = _validate_batch(name, row, 1)
+            return s[0], e[0]
+
+        rows = await asyncio.gather(*(one(i) for i in range(n)))
+        return [r[0] for r in rows], [r[1] for r in rows]
+    return _validate_batch(name, out, n)
+
+
+def _run_coroutine(coro_factory: Callable[[], Any]) -> Any:
+    """Run a coroutine to completion, also from inside a running event loop (Jupyter)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro_factory())
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["out"] = asyncio.run(coro_factory())
+        except BaseException as exc:  # re-raised in the caller's thread
+            box["exc"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join()
+    if "exc" in box:
+        raise box["exc"]
+    return box["out"]
+
+
+def score_completions(
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]],
+    weights: Mapping[str, float],
+    *,
+    functions: Mapping[str, Callable[..., Any]] | None = None,
+) -> ScoreResult:
+    """Score ``completions`` with every function named in ``weights``.
+
+    prompts, completions: one entry per row (``prompts`` repeated per sample, as TRL passes
+        them). columns: the other dataset columns, each a list aligned with ``completions``.
+    weights: function name -> weight; the names are looked up in ``functions`` when given,
+        else in the reward registry (``grpo_core.rewards.get``, so ``"module:function"`` works).
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"{len(prompts)} prompts for {n} completions")
+    for key, col in columns.items():
+        if len(col) != n:
+            raise ValueError(f"column {key!r} has {len(col)} rows for {n} completions")
+    if "prompts" in columns or "completions" in columns:
+        raise ValueError("columns must not be named 'prompts' or 'completions'")
+
+    fns = {
+        name: (functions[name] if functions and name in functions else get(name))
+        for name in weights
+    }
+    per_function: dict[str, list[float | None]] = {}
+    errors: dict[str, list[str | None]] = {}
+    cols = dict(columns)
+
+    async_names = [name for name, fn in fns.items() if inspect.iscoroutinefunction(fn)]
+    if async_names:
+
+        async def run_all():
+            return await asyncio.gather(
+                *(_call_async(name, fns[name], prompts, completions, cols) for name in async_names)
+            )
+
+        for name, (s, e) in zip(async_names, _run_coroutine(run_all), strict=True):
+            per_function[name], errors[name] = s, e
+    for name, fn in fns.items():
+        if name not in per_function:
+            per_function[name], errors[name] = _call_sync(name, fn, prompts, completions, cols)
+
+    per_function = {name: per_function[name] for name in weights}  # config order
+    errors = {name: errors[name] for name in weights}
+    total = [
+        float(
+            sum(weights[name] * s for name in weights if (s := per_function[name][i]) is not None)
+        )
+        for i in range(n)
+    ]
+    return ScoreResult(per_function, errors, total, {k: float(v) for k, v in weights.items()})

@@ -1,0 +1,147 @@
+"""The rollout and scored Parquet contracts (see DESIGN.md "Data contracts").
+
+Rollouts: one row per completion. Scored: the rollout rows plus one ``reward_<fn>`` and
+``error_<fn>`` column per reward function, ``reward`` (weighted sum) and ``advantage``.
+Scoring writes a new file; the rollout file is never rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from grpo_core.generation import Sample
+from grpo_core.text import decode_completion, prompt_text
+
+SCHEMA_VERSION = "1"
+META_KEY = b"grpo_pipeline"
+
+ROLLOUT_COLUMNS = {
+    "prompt_id": "stable hash of the prompt (same prompt, same id, across runs)",
+    "sample_idx": "index of this completion within its prompt's group (0..num_generations-1)",
+    "prompt": "the prompt as given in the data (text or chat messages)",
+    "prompt_text": "the prompt after the chat template, as the model saw it",
+    "completion": "decoded completion text (special tokens removed)",
+    "prompt_ids": "prompt token ids",
+    "completion_ids": "completion token ids (ends with EOS when finish_reason is 'stop')",
+    "completion_logprobs": "sampling policy's log-probability of each completion token",
+    "completion_length": "number of completion tokens",
+    "finish_reason": "'stop' (EOS) or 'length' (hit max_completion_length)",
+    "policy_id": "content hash of the checkpoint that sampled the row",
+    "iteration": "RL iteration (generation batch) that produced the row",
+}
+SCORED_COLUMNS = {
+    "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
+    "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
+    "reward": "weighted sum of the reward functions (TRL's nansum)",
+    "advantage": "group-normalised advantage used by the GRPO update",
+}
+
+
+def prompt_hash(prompt: Any) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rollout_table(
+    rows: list[dict],
+    prompt_ids: list[list[int]],
+    samples: list[Sample],
+    tokenizer,
+    *,
+    policy_id: str,
+    iteration: int,
+    metadata: dict | None = None,
+) -> pa.Table:
+    """Rows of the rollout contract; ``rows[i]``'s other columns are passed through."""
+    records = []
+    for s in samples:
+        row = rows[s.prompt_index]
+        rec = {
+            "prompt_id": prompt_hash(row["prompt"]),
+            "sample_idx": s.sample_index,
+            "prompt": row["prompt"],
+            "prompt_text": prompt_text(tokenizer, row["prompt"]),
+            "completion": decode_completion(tokenizer, s.completion_ids),
+            "prompt_ids": prompt_ids[s.prompt_index],
+            "completion_ids": s.completion_ids,
+            "completion_logprobs": s.logprobs,
+            "completion_length": len(s.completion_ids),
+            "finish_reason": s.finish_reason,
+            "policy_id": policy_id,
+            "iteration": iteration,
+        }
+        for k, v in row.items():
+            if k not in rec and k != "completion":
+                rec[k] = v
+        records.append(rec)
+    table = pa.Table.from_pylist(records)
+    return with_metadata(table, {"kind": "rollouts", **(metadata or {})})
+
+
+def with_metadata(table: pa.Table, meta: dict) -> pa.Table:
+    merged = {**read_metadata_of(table), "schema_version": SCHEMA_VERSION, **meta}
+    existing = dict(table.schema.metadata or {})
+    existing[META_KEY] = json.dumps(merged, default=str).encode()
+    return table.replace_schema_metadata(existing)
+
+
+def read_metadata_of(table: pa.Table) -> dict:
+    raw = (table.schema.metadata or {}).get(META_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def read_table(path: str | Path, required: dict[str, str] | None = None) -> pa.Table:
+    """Read a Parquet file and check that the contract's columns are there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such Parquet file")
+    table = pq.read_table(path)
+    required = ROLLOUT_COLUMNS if required is None else required
+    missing = [c for c in required if "<" not in c and c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{path}: missing column(s) {', '.join(missing)}; expected the rollout contract "
+            f"columns {', '.join(c for c in required if '<' not in c)}"
+        )
+    return table
+
+
+def read_rollouts(path: str | Path) -> pa.Table:
+    return read_table(path, ROLLOUT_COLUMNS)
+
+
+def read_scored(path: str | Path) -> pa.Table:
+    return read_table(path, {**ROLLOUT_COLUMNS, "reward": "", "advantage": ""})
+
+
+def scored_table(
+    rollouts: pa.Table,
+    per_function: dict[str, list],
+    errors: dict[str, list],
+    total: list[float],
+    advantages: list[float],
+    *,
+    metadata: dict | None = None,
+) -> pa.Table:
+    """Rollout rows + reward columns + advantage (the rollout table itself is untouched)."""
+    table = rollouts
+    for name, scores in per_function.items():
+        table = table.append_column(f"reward_{name}", pa.array(scores, type=pa.float64()))
+        table = table.append_column(f"error_{name}", pa.array(errors[name], type=pa.string()))
+    table = table.append_column("reward", pa.array(total, type=pa.float64()))
+    table = table.append_column("advantage", pa.array(advantages, type=pa.float32()))
+    return with_metadata(table, {"kind": "scored", **(metadata or {})})
+
+
+def group_ids(table: pa.Table) -> list[int]:
+    """Integer group id per row (rows of one prompt in one iteration share a group)."""
+    keys = zip(
+        table.column("iteration").to_pylist(), table.column("prompt_id").to_pylist(), strict=True
+    )
+    ids: dict[tuple, int] = {}
+    return [ids.setdefault(k, len(ids)) for k in keys]
