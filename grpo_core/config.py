@@ -129,14 +129,20 @@ class RejectionConfig(Section):
     num_generations: int = Field(4, ge=1)
     temperature: float = Field(1.0, gt=0)
     max_completion_length: int = Field(48, ge=1)
-    min_reward: float = Field(1.1, description="keep completions whose total reward >= this")
+    min_reward: float = Field(0.0, description="keep completions whose total reward >= this")
     max_per_prompt: int = Field(2, ge=1)
+    require: list[str] = Field(
+        default_factory=lambda: ["accuracy", "format"],
+        description="reward functions that must score 1.0 for a completion to be kept",
+    )
 
 
 class EvalConfig(Section):
     num_examples: int | None = Field(None, ge=1, description="None: the whole eval split")
     max_completion_length: int = Field(48, ge=1)
     sample_table_rows: int = Field(20, ge=0)
+    accuracy_reward: str = "accuracy"
+    format_reward: str = "format"
 
 
 class PipelineConfig(Section):

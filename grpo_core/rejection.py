@@ -34,9 +34,13 @@ def select_completions(
             continue
         seen.add(key)
         per_prompt[r["prompt_id"]] += 1
-        out = {k: v for k, v in r.items() if not _is_rollout_only(k)}
-        kept.append(out)
+        kept.append(r)
     return kept
+
+
+def to_sft_rows(kept: list[dict]) -> list[dict]:
+    """SFT rows: ``prompt``, ``completion`` and the data's passthrough columns (``answer``...)."""
+    return [{k: v for k, v in r.items() if not _is_rollout_only(k)} for r in kept]
 
 
 _ROLLOUT_ONLY = {
@@ -49,8 +53,10 @@ _ROLLOUT_ONLY = {
     "finish_reason",
     "iteration",
     "advantage",
+    "prompt_id",
+    "policy_id",
 }
 
 
 def _is_rollout_only(col: str) -> bool:
-    return col in _ROLLOUT_ONLY or col.startswith("error_")
+    return col in _ROLLOUT_ONLY or col.startswith(("error_", "reward"))

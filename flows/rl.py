@@ -1,0 +1,131 @@
+"""One RL stage (rl_1, rl_2): ``iterations`` x [rollout -> Parquet -> score -> update],
+with a held-out eval every ``eval_every`` iterations and at the end.
+
+Each iteration's rollouts, scores and checkpoint land under ``<stage>/iter_NNNN/``; the
+policy stays warm in this process between tasks (tasks/warm.py). The stage's final policy is
+copied to ``checkpoints/<stage>``. Departures from DeepSeek-R1's GRPO: one generation batch
+feeds ``steps_per_generation`` optimizer steps (TRL's setting of the same name), beta = 0 by
+default (no reference model, as DAPO and TRL's default), constant learning rate.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+from prefect import flow
+
+from grpo_core.config import EvalConfig, RLConfig
+from grpo_core.io import atomic_path
+from tasks.common import logger
+from tasks.evaluate import evaluate_checkpoint
+from tasks.rollout import rollout
+from tasks.score import score
+from tasks.tracking import Tracking
+from tasks.update import update
+from tasks.workspace import Workspace
+
+KEEP_ITERATION_CHECKPOINTS = 2
+
+
+@flow(name="rl-stage", flow_run_name="{stage}")
+def rl_stage(
+    stage: str,
+    init_checkpoint: str,
+    rl: RLConfig,
+    rl_path: str,
+    eval_path: str,
+    eval_cfg: EvalConfig,
+    weights: dict[str, float],
+    ws: Workspace,
+    tracking: Tracking,
+    seed: int = 0,
+    rollout_batch_size: int = 512,
+) -> dict:
+    log = logger(__name__)
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
+    tracking.log_params(run_id, {**rl.model_dump(), "rewards": weights})
+    knobs = rl.model_dump()
+    total_steps = rl.iterations * rl.steps_per_generation * rl.num_iterations
+    policy, step, t0 = init_checkpoint, 0, time.perf_counter()
+    evals: list[dict] = []
+    log.info(
+        "%s: %d iterations of %d prompts x %d generations from %s",
+        stage,
+        rl.iterations,
+        rl.prompts_per_iteration,
+        rl.num_generations,
+        init_checkpoint,
+    )
+    for it in range(rl.iterations):
+        roll = rollout(
+            stage, it, policy, rl_path, str(ws.rollouts(stage, it)), knobs, seed, rollout_batch_size
+        )
+        scored = score(stage, it, roll["path"], str(ws.scored(stage, it)), weights, knobs)
+        upd = update(
+            stage,
+            it,
+            policy,
+            scored["path"],
+            str(ws.iteration_checkpoint(stage, it)),
+            knobs,
+            reference_checkpoint=init_checkpoint,
+            global_step=step,
+            total_steps=total_steps,
+        )
+        for i, h in enumerate(upd["history"]):
+            tracking.log_metrics(run_id, h, step + i + 1)
+        iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
+        iter_metrics.update({"iteration": it, "timing/update_s": upd["timing/update_s"]})
+        step, policy = upd["global_step"], upd["checkpoint"]
+        tracking.log_metrics(run_id, iter_metrics, step)
+        _prune(ws, stage, it)
+        last = it == rl.iterations - 1
+        if (it + 1) % rl.eval_every == 0 or last:
+            ev = evaluate_checkpoint(policy, eval_path, eval_cfg, desc=f"{stage} it{it} eval")
+            evals.append(
+                {
+                    "iteration": it,
+                    "step": step,
+                    **{k: ev[k] for k in ("accuracy", "format_rate", "mean_length")},
+                }
+            )
+            tracking.log_metrics(
+                run_id,
+                {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")},
+                step,
+            )
+            if last:
+                tracking.log_json(run_id, ev["samples"], "eval_samples.json")
+            log.info(
+                "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
+                stage,
+                it,
+                step,
+                ev["accuracy"],
+                scored["reward"],
+            )
+    final = ws.checkpoint(stage)
+    with atomic_path(final) as tmp:
+        shutil.copytree(policy, tmp)
+    from tasks import warm
+
+    warm.get(final)  # same weights: relabel the warm policy with the stage checkpoint
+    wall = time.perf_counter() - t0
+    tracking.log_metrics(run_id, {"wall_time_s": wall, "global_step": step}, step)
+    tracking.log_json(run_id, evals, "eval_history.json")
+    tracking.end(run_id)
+    return {
+        "checkpoint": str(final),
+        "run_id": run_id,
+        "global_step": step,
+        "wall_time_s": wall,
+        "evals": evals,
+    }
+
+
+def _prune(ws: Workspace, stage: str, it: int) -> None:
+    """Keep the last few iteration checkpoints (rollouts and scores are always kept)."""
+    old = it - KEEP_ITERATION_CHECKPOINTS
+    if old >= 0:
+        shutil.rmtree(ws.iteration_checkpoint(stage, old), ignore_errors=True)

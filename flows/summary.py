@@ -1,0 +1,46 @@
+"""The closing summary printed in the terminal after a pipeline run."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def render_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or Console(soft_wrap=True)
+    table = Table(title=f"R1 pipeline '{summary['run_name']}': held-out greedy pass@1 per stage")
+    for col, just in (
+        ("stage", "left"),
+        ("accuracy", "right"),
+        ("format rate", "right"),
+        ("mean length", "right"),
+        ("wall time", "right"),
+    ):
+        table.add_column(col, justify=just)
+    for r in summary["stages"]:
+        table.add_row(
+            r["stage"],
+            f"{100 * r['accuracy']:.1f}%",
+            f"{100 * r['format_rate']:.1f}%",
+            f"{r['mean_length']:.1f}",
+            f"{r['wall_time_s']:.0f}s",
+        )
+    console.print(table)
+    rs = summary.get("rejection_sampling")
+    if rs:
+        console.print(
+            f"rejection sampling kept {int(rs['kept'])} of {int(rs['sampled'])} completions "
+            f"({100 * rs['acceptance_rate']:.1f}%)"
+        )
+    console.print(f"total time {summary['total_time_s']:.0f}s; outputs in {summary['workspace']}")
+    uri = summary["tracking_uri"]
+    console.print("\nWhere to look next:")
+    console.print(
+        f"  mlflow ui --backend-store-uri {uri}    (parent run {summary['parent_run_id']})"
+    )
+    console.print(
+        "  prefect server start                      (the Prefect UI, then http://127.0.0.1:4200)"
+    )
+    console.print(
+        f"  rollouts and scores: {summary['workspace']}/rl_1/iter_0000/*.parquet (pandas / DuckDB)"
+    )

@@ -1,0 +1,63 @@
+"""Evaluation task: greedy pass@1, format rate and length of a checkpoint on held-out rows;
+the per-example table goes to Parquet."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.config import EvalConfig
+from grpo_core.data import load_rows
+from grpo_core.evaluation import evaluate
+from grpo_core.io import write_parquet
+from tasks import warm
+from tasks.common import logger, timer
+
+
+def evaluate_checkpoint(
+    checkpoint: str,
+    eval_path: str,
+    cfg: EvalConfig,
+    *,
+    out_table: str | None = None,
+    desc: str = "eval",
+) -> dict:
+    rows = load_rows(eval_path)
+    if cfg.num_examples:
+        rows = rows[: cfg.num_examples]
+    w = warm.get(checkpoint)
+    with timer() as t:
+        result = evaluate(
+            w.model,
+            w.tokenizer,
+            rows,
+            max_new_tokens=cfg.max_completion_length,
+            accuracy_reward=cfg.accuracy_reward,
+            format_reward=cfg.format_reward,
+            desc=desc,
+        )
+    if out_table:
+        write_parquet(pa.Table.from_pylist(result.table), out_table)
+    return {
+        **result.summary(),
+        "wall_time_s": t["seconds"],
+        "table": out_table,
+        "policy_id": w.policy_id,
+        "samples": result.table[: cfg.sample_table_rows],
+    }
+
+
+@task(name="evaluate", task_run_name="eval-{stage}", cache_policy=NO_CACHE)
+def evaluate_stage(
+    stage: str, checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str
+) -> dict:
+    out = evaluate_checkpoint(checkpoint, eval_path, cfg, out_table=out_table, desc=f"eval {stage}")
+    logger(__name__).info(
+        "eval %s: accuracy %.3f, format %.3f, mean length %.1f",
+        stage,
+        out["accuracy"],
+        out["format_rate"],
+        out["mean_length"],
+    )
+    return out

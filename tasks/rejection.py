@@ -1,0 +1,79 @@
+"""Rejection-sampling task: sample from the RL policy, score, keep correct and well-formed
+completions, dedupe, write an SFT dataset (JSONL) for re-SFT."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.config import RejectionConfig
+from grpo_core.data import load_rows
+from grpo_core.io import write_jsonl
+from grpo_core.rejection import select_completions, to_sft_rows
+from grpo_core.rollouts import read_scored
+from tasks.common import logger
+from tasks.rollout import sample_rollouts, select_prompts
+from tasks.score import score_file
+from tasks.tracking import Tracking
+
+
+@task(name="rejection_sampling", cache_policy=NO_CACHE)
+def rejection_sampling(
+    checkpoint: str,
+    rl_path: str,
+    stage_dir: str,
+    cfg: RejectionConfig,
+    weights: dict[str, float],
+    tracking: Tracking,
+    seed: int,
+) -> dict:
+    log = logger(__name__)
+    run_id = tracking.start_child("rejection_sampling", {"init_checkpoint": checkpoint})
+    tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
+    rows = load_rows(rl_path)
+    idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
+    roll = sample_rollouts(
+        checkpoint,
+        [rows[i] for i in idx],
+        f"{stage_dir}/rollouts.parquet",
+        num_generations=cfg.num_generations,
+        temperature=cfg.temperature,
+        max_completion_length=cfg.max_completion_length,
+        iteration=0,
+        seed=seed,
+        desc="rejection sampling",
+    )
+    scored = score_file(roll["path"], f"{stage_dir}/scored.parquet", weights)
+    kept = select_completions(
+        read_scored(scored["path"]).to_pylist(),
+        min_reward=cfg.min_reward,
+        max_per_prompt=cfg.max_per_prompt,
+        require={k: 1.0 for k in cfg.require},
+    )
+    if not kept:
+        raise RuntimeError(
+            f"rejection sampling kept no completion of {len(idx) * cfg.num_generations} "
+            f"(min_reward={cfg.min_reward}); lower rejection_sampling.min_reward or train RL longer"
+        )
+    sft_path = write_jsonl(to_sft_rows(kept), f"{stage_dir}/sft.jsonl")
+    n = len(idx) * cfg.num_generations
+    stats = {
+        "sampled": float(n),
+        "kept": float(len(kept)),
+        "acceptance_rate": len(kept) / n,
+        "prompts_covered": float(len({r["prompt_id"] for r in kept})),
+        "reward": scored["reward"],
+        **{k: v for k, v in scored.items() if k.startswith("rewards/")},
+        "completions/mean_length": roll["completions/mean_length"],
+    }
+    tracking.log_metrics(run_id, stats)
+    tracking.log_artifact(run_id, sft_path)
+    tracking.end(run_id)
+    log.info(
+        "rejection sampling: kept %d of %d completions (%.1f%%) over %d prompts",
+        len(kept),
+        n,
+        100 * stats["acceptance_rate"],
+        int(stats["prompts_covered"]),
+    )
+    return {"path": str(sft_path), "run_id": run_id, **stats}

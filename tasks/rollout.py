@@ -1,0 +1,138 @@
+"""Rollout task: sample ``num_generations`` completions per prompt, write rollouts Parquet."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import zlib
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.data import load_rows
+from grpo_core.generation import SamplingParams, generate
+from grpo_core.io import write_parquet
+from grpo_core.rollouts import rollout_table
+from grpo_core.text import encode_prompt
+from tasks import warm
+from tasks.common import logger, timer
+
+
+def cached_rows(path: str) -> list[dict]:
+    """Prompt rows of ``path``, read once per process (keyed on path, size and mtime)."""
+    st = os.stat(path)
+    return _load(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(path: str, size: int, mtime_ns: int) -> list[dict]:
+    return load_rows(path)
+
+
+def select_prompts(n_rows: int, k: int, iteration: int, seed: int, stage: str) -> list[int]:
+    """Row indices for one iteration: consecutive slices of a seeded permutation, so each
+    iteration is reproducible alone and prompts repeat only after an epoch."""
+    perm = list(range(n_rows))
+    random.Random(seed * 1_000_003 + zlib.crc32(stage.encode())).shuffle(perm)
+    start = (iteration * k) % n_rows
+    return [perm[(start + j) % n_rows] for j in range(k)]
+
+
+def sample_rollouts(
+    policy_checkpoint: str,
+    rows: list[dict],
+    out_path: str,
+    *,
+    num_generations: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_completion_length: int,
+    iteration: int,
+    seed: int,
+    batch_size: int = 512,
+    engine: str = "hf",
+    desc: str = "rollout",
+) -> dict:
+    """Generate and write the rollout Parquet; returns path and generation metrics."""
+    w = warm.get(policy_checkpoint)
+    tok = w.tokenizer
+    prompt_ids = [encode_prompt(tok, r["prompt"]) for r in rows]
+    params = SamplingParams(
+        n=num_generations,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_new_tokens=max_completion_length,
+        seed=seed,
+    )
+    with timer() as t:
+        samples = generate(
+            w.model,
+            prompt_ids,
+            params,
+            pad_token_id=tok.pad_token_id,
+            eos_token_ids=tok.eos_token_id,
+            batch_size=batch_size,
+            desc=desc,
+        )
+    meta = {
+        "model": str(policy_checkpoint),
+        "engine": engine,
+        "sampling": params.__dict__,
+    }
+    table = rollout_table(
+        rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
+    )
+    write_parquet(table, out_path)
+    lengths = [len(s.completion_ids) for s in samples]
+    n_tokens = sum(lengths)
+    return {
+        "path": out_path,
+        "completions/mean_length": n_tokens / len(samples),
+        "completions/min_length": float(min(lengths)),
+        "completions/max_length": float(max(lengths)),
+        "completions/clipped_ratio": sum(s.finish_reason == "length" for s in samples)
+        / len(samples),
+        "timing/rollout_s": t["seconds"],
+        "rollout/tokens_per_s": n_tokens / max(t["seconds"], 1e-9),
+    }
+
+
+@task(name="rollout", task_run_name="{stage}-rollout-{iteration}", cache_policy=NO_CACHE)
+def rollout(
+    stage: str,
+    iteration: int,
+    policy_checkpoint: str,
+    rl_path: str,
+    out_path: str,
+    rl: dict,
+    seed: int,
+    batch_size: int = 512,
+) -> dict:
+    rl_rows = cached_rows(rl_path)
+    idx = select_prompts(len(rl_rows), rl["prompts_per_iteration"], iteration, seed, stage)
+    out = sample_rollouts(
+        policy_checkpoint,
+        [rl_rows[i] for i in idx],
+        out_path,
+        num_generations=rl["num_generations"],
+        temperature=rl["temperature"],
+        top_p=rl["top_p"],
+        top_k=rl["top_k"],
+        max_completion_length=rl["max_completion_length"],
+        iteration=iteration,
+        seed=seed * 100_003 + iteration,
+        batch_size=batch_size,
+        desc=f"{stage} it{iteration} rollout",
+    )
+    logger(__name__).info(
+        "%s iteration %d: %d completions, mean length %.1f, %.1fs",
+        stage,
+        iteration,
+        len(idx) * rl["num_generations"],
+        out["completions/mean_length"],
+        out["timing/rollout_s"],
+    )
+    return out

@@ -1,0 +1,95 @@
+"""SFT stage task (cold start and re-SFT): load, train on completions, save, log."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.checkpoint import save_checkpoint
+from grpo_core.config import SFTConfig
+from grpo_core.data import load_rows
+from grpo_core.evaluation import evaluate
+from grpo_core.sft import train_sft
+from tasks import warm
+from tasks.common import logger, timer
+from tasks.tracking import Tracking
+
+
+@task(name="sft", task_run_name="{stage}", cache_policy=NO_CACHE)
+def sft_stage(
+    stage: str,
+    init_checkpoint: str,
+    data_path: str,
+    out_checkpoint: str,
+    cfg: SFTConfig,
+    tracking: Tracking,
+    *,
+    dev_path: str | None = None,
+    max_completion_length: int = 48,
+    seed: int = 0,
+) -> dict:
+    log = logger(__name__)
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
+    tracking.log_params(run_id, cfg.model_dump())
+    rows = load_rows(data_path, required=("prompt", "completion"))
+    w = warm.get(init_checkpoint, mutate=True)
+    dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
+    log.info(
+        "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
+    )
+
+    def dev_eval() -> float:
+        return evaluate(
+            w.model,
+            w.tokenizer,
+            dev_rows,
+            max_new_tokens=max_completion_length,
+            desc=f"{stage} dev",
+        ).accuracy
+
+    with timer() as t:
+        result = train_sft(
+            w.model,
+            w.tokenizer,
+            rows,
+            max_steps=cfg.max_steps,
+            batch_size=cfg.batch_size,
+            learning_rate=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
+            warmup_steps=cfg.warmup_steps,
+            max_grad_norm=cfg.max_grad_norm,
+            seed=seed,
+            dev_eval=dev_eval if dev_rows else None,
+            target_accuracy=cfg.target_accuracy,
+            eval_every=cfg.eval_every,
+            min_steps=cfg.min_steps,
+            on_step=lambda step, m: (
+                tracking.log_metrics(run_id, m, step)
+                if step % 10 == 0 or "dev/accuracy" in m
+                else None
+            ),
+            desc=stage,
+        )
+    save_checkpoint(
+        w.model, w.tokenizer, out_checkpoint, info={"stage": stage, "steps": result.steps}
+    )
+    warm.put(out_checkpoint, w)
+    summary = {
+        "steps": result.steps,
+        "final_loss": result.final_loss,
+        "stopped_early": float(result.stopped_early),
+        "wall_time_s": t["seconds"],
+        "train_examples": len(rows),
+    }
+    tracking.log_metrics(run_id, summary, result.steps)
+    tracking.set_tags(run_id, {"policy_id": w.policy_id})
+    tracking.end(run_id)
+    log.info(
+        "%s: %d steps in %.1fs, final loss %.4f%s",
+        stage,
+        result.steps,
+        t["seconds"],
+        result.final_loss,
+        " (dev target reached)" if result.stopped_early else "",
+    )
+    return {"checkpoint": out_checkpoint, "run_id": run_id, **summary}

@@ -1,0 +1,116 @@
+"""MLflow tracking for stages: one parent run per pipeline, one child run per stage.
+
+Uses ``MlflowClient`` with explicit run ids (no fluent, thread-local active run), so a
+task can log to its run from whichever Prefect worker thread runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+import mlflow  # noqa: E402
+from mlflow.entities import Metric, Param  # noqa: E402
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where to log: tracking URI, experiment and the pipeline's parent run (plain strings,
+    so it can be passed to Prefect tasks)."""
+
+    uri: str
+    experiment_id: str
+    parent_run_id: str | None = None
+
+    @property
+    def client(self) -> MlflowClient:
+        return MlflowClient(tracking_uri=self.uri)
+
+    @classmethod
+    def open(cls, uri: str, experiment: str) -> Tracking:
+        mlflow.set_tracking_uri(uri)
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+        return cls(uri, exp_id)
+
+    def start_parent(self, run_name: str, tags: dict[str, str]) -> Tracking:
+        run = self.client.create_run(
+            self.experiment_id, run_name=run_name, tags={"git_commit": git_commit(), **tags}
+        )
+        return Tracking(self.uri, self.experiment_id, run.info.run_id)
+
+    def start_child(self, stage: str, tags: dict[str, str] | None = None) -> str:
+        all_tags = {"stage": stage, "git_commit": git_commit(), **(tags or {})}
+        if self.parent_run_id:
+            all_tags["mlflow.parentRunId"] = self.parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=stage, tags=all_tags)
+        return run.info.run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        ts = int(time.time() * 1000)
+        batch = [
+            Metric(k, float(v), ts, step)
+            for k, v in metrics.items()
+            if isinstance(v, int | float) and math.isfinite(float(v))
+        ]
+        for i in range(0, len(batch), 900):
+            self.client.log_batch(run_id, metrics=batch[i : i + 900])
+
+    def log_params(self, run_id: str, params: dict) -> None:
+        flat = [Param(k, str(v)[:6000]) for k, v in _flatten(params).items()]
+        for i in range(0, len(flat), 90):
+            self.client.log_batch(run_id, params=flat[i : i + 90])
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_text(self, run_id: str, text: str, name: str) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / name
+            p.write_text(text)
+            self.client.log_artifact(run_id, str(p))
+
+    def log_json(self, run_id: str, obj, name: str) -> None:
+        self.log_text(run_id, json.dumps(obj, indent=2, default=str), name)
+
+    def end(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

@@ -1,0 +1,133 @@
+"""Update task: a scored Parquet (this run's, an older run's, anyone's) -> GRPO optimizer
+steps on the policy -> a new checkpoint. Old and reference log-probs are recomputed from
+the token ids in the file, so any scored file with the contract's columns will do."""
+
+from __future__ import annotations
+
+import math
+
+import torch  # noqa: E402  (after prefect: keeps import order stable for ruff)
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from grpo_core.checkpoint import save_checkpoint
+from grpo_core.rollouts import read_scored
+from grpo_core.sft import lr_lambda
+from grpo_core.update import build_batch, grpo_update
+from tasks import warm
+from tasks.common import logger, timer
+
+
+def update_from_file(
+    policy_checkpoint: str,
+    scored_path: str,
+    out_checkpoint: str,
+    rl: dict,
+    *,
+    reference_checkpoint: str | None = None,
+    global_step: int = 0,
+    total_steps: int | None = None,
+    on_step=None,
+) -> dict:
+    table = read_scored(scored_path)
+    cols = table.select(["prompt_ids", "completion_ids", "advantage", "finish_reason"]).to_pydict()
+    w = warm.get(policy_checkpoint, mutate=True)
+    tok = w.tokenizer
+    truncated = (
+        [r == "length" for r in cols["finish_reason"]]
+        if rl.get("mask_truncated_completions")
+        else None
+    )
+    batch = build_batch(
+        cols["prompt_ids"],
+        cols["completion_ids"],
+        cols["advantage"],
+        tok.pad_token_id,
+        truncated=truncated,
+    )
+    opt = warm.optimizer_for(w, learning_rate=rl["learning_rate"], weight_decay=rl["weight_decay"])
+    total = total_steps or (global_step + rl["steps_per_generation"] * rl["num_iterations"])
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(rl["warmup_steps"], total, rl["lr_scheduler_type"]), last_epoch=-1
+    )
+    for _ in range(global_step):  # position the schedule at this iteration's first step
+        sched.step()
+    ref = warm.get(reference_checkpoint, slot="reference").model if rl["beta"] > 0 else None
+    with timer() as t:
+        history = grpo_update(
+            w.model,
+            opt,
+            sched,
+            batch,
+            steps_per_generation=rl["steps_per_generation"],
+            num_iterations=rl["num_iterations"],
+            ref_model=ref,
+            beta=rl["beta"],
+            epsilon=rl["epsilon"],
+            epsilon_high=rl["epsilon_high"],
+            loss_type=rl["loss_type"],
+            max_completion_length=rl["max_completion_length"],
+            importance_sampling_level=rl["importance_sampling_level"],
+            temperature=rl["temperature"],
+            max_grad_norm=rl["max_grad_norm"],
+            on_step=on_step,
+        )
+    step = global_step + len(history)
+    state = {
+        "optimizer": opt.state_dict(),
+        "optimizer_key": w.optimizer_key,
+        "global_step": step,
+        "rng": torch.get_rng_state(),
+    }
+    save_checkpoint(
+        w.model,
+        tok,
+        out_checkpoint,
+        trainer_state=state,
+        info={"scored": scored_path, "global_step": step},
+    )
+    warm.put(out_checkpoint, w)
+    bad = [h for h in history if not math.isfinite(h["loss"])]
+    if bad:
+        logger(__name__).warning("%d update steps had a non-finite loss", len(bad))
+    return {
+        "checkpoint": out_checkpoint,
+        "global_step": step,
+        "history": history,
+        "timing/update_s": t["seconds"],
+    }
+
+
+@task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
+def update(
+    stage: str,
+    iteration: int,
+    policy_checkpoint: str,
+    scored_path: str,
+    out_checkpoint: str,
+    rl: dict,
+    *,
+    reference_checkpoint: str | None = None,
+    global_step: int = 0,
+    total_steps: int | None = None,
+) -> dict:
+    out = update_from_file(
+        policy_checkpoint,
+        scored_path,
+        out_checkpoint,
+        rl,
+        reference_checkpoint=reference_checkpoint,
+        global_step=global_step,
+        total_steps=total_steps,
+    )
+    last = out["history"][-1]
+    logger(__name__).info(
+        "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
+        stage,
+        iteration,
+        len(out["history"]),
+        last["loss"],
+        last["entropy"],
+        out["timing/update_s"],
+    )
+    return out

@@ -1,0 +1,50 @@
+"""Shared fixtures: offline environment, a tiny real model saved to disk, Prefect harness."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A randomly initialised 2-layer Qwen2 + char tokenizer, ``save_pretrained`` to disk."""
+    from grpo_core.demo.model import save_base_model
+
+    path = tmp_path_factory.mktemp("models") / "tiny"
+    return save_base_model(
+        path,
+        seed=0,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+    )
+
+
+@pytest.fixture
+def tiny_model(tiny_checkpoint):
+    from grpo_core.checkpoint import load_checkpoint
+
+    return load_checkpoint(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """A real Prefect engine and API (temporary local server) for flow tests."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def tracking_uri(tmp_path):
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -1,0 +1,61 @@
+from pathlib import Path
+
+import pytest
+
+from grpo_core.config import PipelineConfig, default_config_path, load_config
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
+
+
+def test_packaged_default_is_demo_yaml():
+    assert default_config_path().name == "demo.yaml"
+    assert default_config_path().exists()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_preset_loads_and_validates(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, PipelineConfig)
+    cfg.rl_2_config()
+    cfg.re_sft_config()
+
+
+def test_unknown_key_is_rejected_by_name(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rl:\n  learning_rat: 1.0e-5\n")
+    with pytest.raises(ValueError, match="learning_rat"):
+        load_config(p)
+
+
+def test_dotted_overrides_are_parsed_as_yaml():
+    cfg = load_config(
+        None, ["rl.learning_rate=1e-5", "rl.loss_type=grpo", "rewards={accuracy: 2.0}"]
+    )
+    assert cfg.rl.learning_rate == 1e-5
+    assert cfg.rl.loss_type == "grpo"
+    assert cfg.rewards == {"accuracy": 2.0}
+
+
+def test_bad_override_value_names_the_field():
+    with pytest.raises(ValueError, match="loss_type"):
+        load_config(None, ["rl.loss_type=ppo"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        load_config(None, ["rl.learning_rate"])
+
+
+def test_rl_2_overrides_are_validated():
+    with pytest.raises(ValueError, match="rl_2"):
+        load_config(None, ["rl_2={num_generations: 1}"])
+    cfg = load_config(None, ["rl_2={iterations: 3, learning_rate: 5e-5}"])
+    assert cfg.rl_2_config().iterations == 3
+    assert cfg.rl_2_config().num_generations == cfg.rl.num_generations
+
+
+def test_steps_per_generation_must_split_whole_groups():
+    with pytest.raises(ValueError, match="divisible"):
+        load_config(None, ["rl.prompts_per_iteration=10", "rl.steps_per_generation=4"])
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        load_config(tmp_path / "nope.yaml")

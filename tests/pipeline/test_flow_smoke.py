@@ -1,0 +1,70 @@
+"""The whole R1 flow with a tiny budget through the real Prefect engine and a real MLflow
+sqlite store (cleanrl-style smoke test of the real entry point)."""
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow.tracking import MlflowClient
+from tests_support import TINY_OVERRIDES as TINY
+
+from grpo_core.config import load_config
+from grpo_core.rollouts import ROLLOUT_COLUMNS
+
+STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
+
+
+@pytest.mark.slow
+def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, tracking_uri):
+    from flows.r1 import r1_pipeline
+
+    cfg = load_config(
+        None, [*TINY, f"output_dir={tmp_path / 'runs'}", f"tracking.uri={tracking_uri}"]
+    )
+    summary = r1_pipeline(cfg)
+
+    assert [r["stage"] for r in summary["stages"]] == list(STAGES)
+    client = MlflowClient(tracking_uri)
+    parent = client.get_run(summary["parent_run_id"])
+    for stage in STAGES:
+        for m in ("accuracy", "format_rate", "mean_length"):
+            assert f"{stage}/eval/{m}" in parent.data.metrics
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_stage = {r.data.tags["stage"]: r for r in children}
+    assert set(by_stage) == {*STAGES, "rejection_sampling", "final_evaluation"}
+    rl1 = by_stage["rl_1"]
+    for m in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "completions/mean_length",
+        "rewards/accuracy/mean",
+        "loss",
+        "learning_rate",
+        "eval/accuracy",
+    ):
+        assert m in rl1.data.metrics, m
+    assert len(client.get_metric_history(rl1.info.run_id, "loss")) == 4  # 2 iterations x 2 steps
+    assert rl1.data.params["loss_type"] == "dapo"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"config.yaml", "summary.json"} <= artifacts
+    assert any(
+        a.path.startswith("eval_tables")
+        for a in client.list_artifacts(by_stage["final_evaluation"].info.run_id)
+    )
+
+    ws = tmp_path / "runs" / "demo"
+    for it in range(2):
+        rollouts = pq.read_table(ws / "rl_1" / f"iter_{it:04d}" / "rollouts.parquet")
+        assert set(ROLLOUT_COLUMNS) <= set(rollouts.column_names)
+        assert rollouts.num_rows == 16
+        scored = pq.read_table(ws / "rl_1" / f"iter_{it:04d}" / "scored.parquet")
+        assert {"reward", "advantage", "reward_accuracy", "reward_format"} <= set(
+            scored.column_names
+        )
+    for stage in STAGES:
+        assert (ws / "checkpoints" / stage / "model.safetensors").exists()
+        assert pq.read_table(ws / "eval" / f"{stage}.parquet").num_rows == 16
