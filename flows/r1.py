@@ -117,13 +117,26 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
     t0 = time.perf_counter()
     eval_run = tracking.start_child("final_evaluation")
     results: dict[str, dict] = {}
+    stage_runs = {
+        "cold_start_sft": sft["run_id"],
+        "rl_1": rl1["run_id"],
+        "re_sft": re["run_id"],
+        "rl_2": rl2["run_id"],
+    }
     for stage in STAGES:
         ev = evaluate_stage(stage, ckpts[stage], data["eval"], cfg.eval, str(ws.eval_table(stage)))
         results[stage] = ev
-        metrics = {f"{stage}/eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}
+        summary_metrics = {k: ev[k] for k in ("accuracy", "format_rate", "mean_length")}
+        metrics = {f"{stage}/eval/{k}": v for k, v in summary_metrics.items()}
         tracking.log_metrics(parent, metrics)
         tracking.log_metrics(eval_run, metrics)
         tracking.log_artifact(eval_run, ev["table"], "eval_tables")
+        # the stage's own run gets its final held-out numbers, table and sample completions
+        tracking.log_metrics(
+            stage_runs[stage], {f"final_eval/{k}": v for k, v in summary_metrics.items()}
+        )
+        tracking.log_artifact(stage_runs[stage], ev["table"], "eval")
+        tracking.log_json(stage_runs[stage], ev["samples"], "eval_samples.json")
     tracking.log_json(eval_run, {s: results[s]["samples"] for s in STAGES}, "eval_samples.json")
     tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0

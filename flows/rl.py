@@ -45,6 +45,11 @@ def rl_stage(
     log = logger(__name__)
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
     tracking.log_params(run_id, {**rl.model_dump(), "rewards": weights})
+    tracking.log_json(
+        run_id,
+        {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **rl.model_dump()},
+        "stage_config.json",
+    )
     knobs = rl.model_dump()
     total_steps = rl.iterations * rl.steps_per_generation * rl.num_iterations
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
@@ -95,8 +100,9 @@ def rl_stage(
                 {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")},
                 step,
             )
-            if last:
-                tracking.log_json(run_id, ev["samples"], "eval_samples.json")
+            tracking.log_json(
+                run_id, _rollout_sample(scored["path"]), f"samples/iter_{it:04d}.json"
+            )
             log.info(
                 "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
                 stage,
@@ -122,6 +128,20 @@ def rl_stage(
         "wall_time_s": wall,
         "evals": evals,
     }
+
+
+def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
+    """A few scored completions (text, rewards, advantage) for the MLflow UI."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(scored_path)
+    keep = [
+        c
+        for c in table.column_names
+        if c in ("prompt_text", "completion", "reward", "advantage", "finish_reason", "answer")
+        or c.startswith("reward_")
+    ]
+    return table.select(keep).slice(0, n).to_pylist()
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:

@@ -107,12 +107,49 @@ class RLConfig(Section):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     advantage_estimator: str = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    use_bias_correction_kl: bool = False
+    objective: Literal["clip", "cispo"] = "clip"
+    delta: float | None = Field(
+        None, gt=1, description="two-sided clip: cap of the unclipped ratio"
+    )
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="dual-clip bound for negative advantages"
+    )
+    top_entropy_quantile: float = Field(1.0, gt=0, le=1)
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
+        "sum_then_normalize"
+    )
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose rewards are all equal"
+    )
+    overlong_buffer_length: int | None = Field(
+        None, ge=1, description="DAPO soft overlong penalty L_cache"
+    )
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_mode: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "sequence_mask"
+    vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_clip_max: float | None = 3.0
     mask_truncated_completions: bool = False
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     max_completion_length: int = Field(48, ge=1)
     eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RLConfig:
+        if self.advantage_estimator in ("dr_grpo", "rloo") and self.scale_rewards != "none":
+            raise ValueError(
+                f"rl.advantage_estimator={self.advantage_estimator!r} never scales rewards: "
+                "set rl.scale_rewards to 'none'"
+            )
+        if self.overlong_buffer_length and self.overlong_buffer_length > self.max_completion_length:
+            raise ValueError("rl.overlong_buffer_length must be <= rl.max_completion_length")
+        return self
 
     @model_validator(mode="after")
     def _divisible(self) -> RLConfig:

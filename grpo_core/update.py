@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_core.importance import engine_importance_weights
 from grpo_core.logprobs import token_logprobs
 from grpo_core.losses import policy_loss
+from grpo_core.sampling_filters import mask_truncated_completions, top_entropy_mask
 
 
 @dataclass
@@ -32,6 +34,8 @@ class UpdateBatch:
     completion_mask: Tensor  # [N, T] 1 on real completion tokens
     advantages: Tensor  # [N]
     prompt_width: int  # P
+    group_ids: Tensor | None = None  # [N] rows of one prompt's group share an id
+    sampling_logp: Tensor | None = None  # [N, T] rollout engine's log-probs (0 on padding)
 
     @property
     def size(self) -> int:
@@ -45,7 +49,20 @@ class UpdateBatch:
             self.completion_mask[idx],
             self.advantages[idx],
             self.prompt_width,
+            None if self.group_ids is None else self.group_ids[idx],
+            None if self.sampling_logp is None else self.sampling_logp[idx],
         )
+
+    def step_slices(self, steps: int) -> list[Tensor]:
+        """Row indices of ``steps`` micro-batches holding whole groups (as equal as possible)."""
+        gids = self.group_ids if self.group_ids is not None else torch.arange(self.size)
+        groups = torch.unique_consecutive(gids)  # rows are group-contiguous
+        if len(groups) < steps:
+            raise ValueError(f"batch of {len(groups)} groups does not split into {steps} steps")
+        if self.group_ids is None and self.size % steps:
+            raise ValueError(f"batch of {self.size} rows does not split into {steps} steps")
+        parts = torch.tensor_split(groups, steps)
+        return [torch.isin(gids, part).nonzero().squeeze(-1) for part in parts]
 
 
 def build_batch(
@@ -55,9 +72,11 @@ def build_batch(
     pad_id: int,
     *,
     truncated: list[bool] | None = None,
+    group_ids: list[int] | None = None,
+    sampling_logprobs: list[list[float]] | None = None,
 ) -> UpdateBatch:
     """Pad rollouts into an :class:`UpdateBatch`. ``truncated`` rows get an all-zero mask
-    (TRL's ``mask_truncated_completions``)."""
+    (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous."""
     N = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completion_ids))
@@ -72,9 +91,15 @@ def build_batch(
             attn[i, P : P + len(c)] = 1
             comp_mask[i, : len(c)] = 1.0
     if truncated is not None:
-        comp_mask[torch.tensor(truncated, dtype=torch.bool)] = 0.0
+        comp_mask = mask_truncated_completions(comp_mask, torch.tensor(truncated, dtype=torch.bool))
     adv = torch.tensor(advantages, dtype=torch.float32)
-    return UpdateBatch(ids, attn, ids[:, P:], comp_mask, adv, P)
+    gids = None if group_ids is None else torch.tensor(group_ids, dtype=torch.long)
+    samp = None
+    if sampling_logprobs is not None:
+        samp = torch.zeros((N, T), dtype=torch.float32)
+        for i, lp in enumerate(sampling_logprobs):
+            samp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return UpdateBatch(ids, attn, ids[:, P:], comp_mask, adv, P, gids, samp)
 
 
 def completion_logprobs(
@@ -124,36 +149,50 @@ def grpo_update(
     loss_type: str = "dapo",
     max_completion_length: int | None = None,
     importance_sampling_level: str = "token",
+    kl_estimator: str = "k3",
+    use_bias_correction_kl: bool = False,
+    objective: str = "clip",
+    delta: float | None = None,
+    clip_ratio_c: float | None = None,
+    top_entropy_quantile: float = 1.0,
+    engine_correction: dict | None = None,
     temperature: float = 1.0,
     max_grad_norm: float = 1.0,
     on_step: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Run ``steps_per_generation * num_iterations`` optimizer steps on ``batch``.
 
-    Rows must be ordered so that each of the ``steps_per_generation`` equal slices holds
-    whole groups (the rollout stage writes prompt-major order). Returns per-step metrics.
+    Each step takes a slice of whole groups (rows are group-contiguous: the rollout stage
+    writes prompt-major order). ``engine_correction`` (``mode``, ``clip_min``, ``clip_max``)
+    reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``
+    (TRL's vLLM importance-sampling correction). Returns per-step metrics.
     """
-    if batch.size % steps_per_generation:
-        raise ValueError(
-            f"batch of {batch.size} rows does not split into {steps_per_generation} steps"
-        )
     if beta > 0 and ref_model is None:
         raise ValueError("beta > 0 needs a reference model")
+    if engine_correction is not None and batch.sampling_logp is None:
+        raise ValueError("engine_correction needs the rollout engine's log-probs (sampling_logp)")
+    slices = batch.step_slices(steps_per_generation)
     device = model.device
-    reuse = steps_per_generation > 1 or num_iterations > 1
+    reuse = steps_per_generation > 1 or num_iterations > 1 or engine_correction is not None
     old_logp = batched_logprobs(model, batch, temperature=temperature) if reuse else None  # [N, T]
     ref_logp = batched_logprobs(ref_model, batch, temperature=temperature) if beta > 0 else None
-    per_step = batch.size // steps_per_generation
+    is_weights, is_metrics = None, {}
+    if engine_correction is not None:
+        is_weights, is_metrics = engine_importance_weights(
+            old_logp, batch.sampling_logp, batch.completion_mask, **engine_correction
+        )  # [N, T] or [N, 1]
     model.train()
     history = []
     for _ in range(num_iterations):
-        for s in range(steps_per_generation):
-            idx = torch.arange(s * per_step, (s + 1) * per_step)
+        for idx in slices:
             mb = batch.slice(idx)
             logp, entropy = completion_logprobs(
                 model, mb, temperature=temperature, with_entropy=True
             )
             mask = mb.completion_mask.to(device)  # [n, T]
+            token_weights = None
+            if top_entropy_quantile < 1.0:
+                token_weights = top_entropy_mask(entropy, mask, top_entropy_quantile).float()
             loss, metrics = policy_loss(
                 logp,
                 None if old_logp is None else old_logp[idx].to(device),
@@ -166,7 +205,17 @@ def grpo_update(
                 loss_type=loss_type,
                 max_completion_length=max_completion_length,
                 importance_sampling_level=importance_sampling_level,
+                kl_estimator=kl_estimator,
+                use_bias_correction_kl=use_bias_correction_kl,
+                objective=objective,
+                delta=delta,
+                clip_ratio_c=clip_ratio_c,
+                token_weights=token_weights,
+                importance_sampling_ratio=None
+                if is_weights is None
+                else is_weights[idx].to(device),
             )
+            metrics.update(is_metrics)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)

@@ -11,8 +11,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core import advantages, rewards
+from grpo_core.advantages import compute_multi, weighted_reward_sum
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
+from grpo_core.sampling_filters import overlong_penalty
 from tasks.common import logger, timer
 
 
@@ -23,29 +25,61 @@ def score_file(
     *,
     advantage_estimator: str = "grpo",
     scale_rewards: str = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+    overlong_buffer_length: int | None = None,
+    overlong_penalty_factor: float = 1.0,
+    max_completion_length: int | None = None,
 ) -> dict:
-    """Score every completion of ``rollouts_path``; returns path and TRL-named metrics."""
+    """Score every completion of ``rollouts_path``; returns path and TRL-named metrics.
+
+    ``reward`` is the weighted sum of the reward functions (plus DAPO's soft overlong
+    penalty when ``overlong_buffer_length`` is set); advantages come from that sum, or from
+    GDPO's per-reward normalisation when ``multi_objective_aggregation`` says so.
+    """
     with timer() as t:
         table = read_rollouts(rollouts_path)
         cols = table.to_pydict()
         extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
         result = rewards.score_completions(cols["prompt"], cols["completion"], extra, weights)
         gids = torch.tensor(group_ids(table))
-        total = torch.tensor(result.total, dtype=torch.float64)
-        opts = (
-            {} if advantage_estimator in ("dr_grpo", "rloo") else {"scale_rewards": scale_rewards}
+        per_func = {k: v for k, v in result.per_function.items()}
+        names = list(per_func)
+        if overlong_buffer_length:
+            lengths = torch.tensor(cols["completion_length"])
+            penalty = overlong_penalty(
+                lengths, max_completion_length, overlong_buffer_length
+            )  # [N]
+            per_func["overlong_penalty"] = penalty.tolist()
+            result.errors["overlong_penalty"] = [None] * len(penalty)
+            names.append("overlong_penalty")
+        w = torch.tensor(
+            [weights.get(n, overlong_penalty_factor) for n in names], dtype=torch.float64
         )
-        adv = advantages.compute(advantage_estimator, total, gids, **opts)
+        matrix = torch.tensor(
+            [[float("nan") if v is None else v for v in per_func[n]] for n in names],
+            dtype=torch.float64,
+        ).T  # [N, K]
+        total = weighted_reward_sum(matrix, w).nan_to_num(0.0)  # [N]
+        adv = compute_multi(
+            matrix,
+            gids,
+            weights=w,
+            aggregation=multi_objective_aggregation,
+            name=advantage_estimator,
+            scale_rewards=scale_rewards,
+        )
         scored = scored_table(
             table,
-            result.per_function,
+            per_func,
             result.errors,
-            result.total,
+            total.tolist(),
             adv.tolist(),
             metadata={
                 "rewards": weights,
                 "advantage_estimator": advantage_estimator,
                 "scale_rewards": scale_rewards,
+                "multi_objective_aggregation": multi_objective_aggregation,
+                "overlong_buffer_length": overlong_buffer_length,
             },
         )
         write_parquet(scored, out_path)
@@ -75,6 +109,10 @@ def score(
         weights,
         advantage_estimator=rl["advantage_estimator"],
         scale_rewards=rl["scale_rewards"],
+        multi_objective_aggregation=rl["multi_objective_aggregation"],
+        overlong_buffer_length=rl["overlong_buffer_length"],
+        overlong_penalty_factor=rl["overlong_penalty_factor"],
+        max_completion_length=rl["max_completion_length"],
     )
     logger(__name__).info(
         "%s iteration %d: reward %.3f, zero-std groups %.2f",

@@ -31,6 +31,11 @@ def sft_stage(
     log = logger(__name__)
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
     tracking.log_params(run_id, cfg.model_dump())
+    tracking.log_json(
+        run_id,
+        {"stage": stage, "init_checkpoint": init_checkpoint, "data": data_path, **cfg.model_dump()},
+        "stage_config.json",
+    )
     rows = load_rows(data_path, required=("prompt", "completion"))
     w = warm.get(init_checkpoint, mutate=True)
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None

@@ -93,10 +93,12 @@ class Tracking:
         self.client.log_artifact(run_id, str(path), artifact_path)
 
     def log_text(self, run_id: str, text: str, name: str) -> None:
+        """Write ``text`` as artifact ``name`` (which may contain folders, e.g. ``samples/a.json``)."""
+        folder, _, base = name.rpartition("/")
         with tempfile.TemporaryDirectory() as d:
-            p = Path(d) / name
+            p = Path(d) / base
             p.write_text(text)
-            self.client.log_artifact(run_id, str(p))
+            self.client.log_artifact(run_id, str(p), folder or None)
 
     def log_json(self, run_id: str, obj, name: str) -> None:
         self.log_text(run_id, json.dumps(obj, indent=2, default=str), name)

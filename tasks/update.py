@@ -11,7 +11,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.checkpoint import save_checkpoint
-from grpo_core.rollouts import read_scored
+from grpo_core.rollouts import group_ids, read_scored
+from grpo_core.sampling_filters import dynamic_sampling_mask
 from grpo_core.sft import lr_lambda
 from grpo_core.update import build_batch, grpo_update
 from tasks import warm
@@ -30,51 +31,74 @@ def update_from_file(
     on_step=None,
 ) -> dict:
     table = read_scored(scored_path)
-    cols = table.select(["prompt_ids", "completion_ids", "advantage", "finish_reason"]).to_pydict()
+    cols = table.select(
+        [
+            "prompt_ids",
+            "completion_ids",
+            "completion_logprobs",
+            "advantage",
+            "finish_reason",
+            "reward",
+        ]
+    ).to_pydict()
+    gids = group_ids(table)
+    keep = list(range(table.num_rows))
+    extra: dict[str, float] = {}
+    if rl["dynamic_sampling"]:  # DAPO: groups with equal rewards carry no signal
+        informative = dynamic_sampling_mask(
+            torch.tensor(cols["reward"], dtype=torch.float64), torch.tensor(gids)
+        )
+        keep = informative.nonzero().squeeze(-1).tolist()
+        extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
     w = warm.get(policy_checkpoint, mutate=True)
     tok = w.tokenizer
-    truncated = (
-        [r == "length" for r in cols["finish_reason"]]
-        if rl.get("mask_truncated_completions")
-        else None
-    )
-    batch = build_batch(
-        cols["prompt_ids"],
-        cols["completion_ids"],
-        cols["advantage"],
-        tok.pad_token_id,
-        truncated=truncated,
-    )
-    opt = warm.optimizer_for(w, learning_rate=rl["learning_rate"], weight_decay=rl["weight_decay"])
-    total = total_steps or (global_step + rl["steps_per_generation"] * rl["num_iterations"])
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lr_lambda(rl["warmup_steps"], total, rl["lr_scheduler_type"]), last_epoch=-1
-    )
-    for _ in range(global_step):  # position the schedule at this iteration's first step
-        sched.step()
-    ref = warm.get(reference_checkpoint, slot="reference").model if rl["beta"] > 0 else None
-    with timer() as t:
-        history = grpo_update(
-            w.model,
-            opt,
-            sched,
-            batch,
-            steps_per_generation=rl["steps_per_generation"],
-            num_iterations=rl["num_iterations"],
-            ref_model=ref,
-            beta=rl["beta"],
-            epsilon=rl["epsilon"],
-            epsilon_high=rl["epsilon_high"],
-            loss_type=rl["loss_type"],
-            max_completion_length=rl["max_completion_length"],
-            importance_sampling_level=rl["importance_sampling_level"],
-            temperature=rl["temperature"],
-            max_grad_norm=rl["max_grad_norm"],
-            on_step=on_step,
+    history: list[dict] = []
+    t = {"seconds": 0.0}
+    if keep:
+        pick = lambda name: [cols[name][i] for i in keep]  # noqa: E731
+        batch = build_batch(
+            pick("prompt_ids"),
+            pick("completion_ids"),
+            pick("advantage"),
+            tok.pad_token_id,
+            truncated=[r == "length" for r in pick("finish_reason")]
+            if rl["mask_truncated_completions"]
+            else None,
+            group_ids=[gids[i] for i in keep],
+            sampling_logprobs=pick("completion_logprobs")
+            if rl["vllm_importance_sampling_correction"]
+            else None,
+        )
+        opt = warm.optimizer_for(
+            w, learning_rate=rl["learning_rate"], weight_decay=rl["weight_decay"]
+        )
+        total = total_steps or (global_step + rl["steps_per_generation"] * rl["num_iterations"])
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lr_lambda(rl["warmup_steps"], total, rl["lr_scheduler_type"]), last_epoch=-1
+        )
+        for _ in range(global_step):  # position the schedule at this iteration's first step
+            sched.step()
+        ref = warm.get(reference_checkpoint, slot="reference").model if rl["beta"] > 0 else None
+        n_groups = len(set(batch.group_ids.tolist()))
+        with timer() as t:
+            history = grpo_update(
+                w.model,
+                opt,
+                sched,
+                batch,
+                steps_per_generation=min(rl["steps_per_generation"], n_groups),
+                num_iterations=rl["num_iterations"],
+                ref_model=ref,
+                **loss_options(rl),
+                on_step=on_step,
+            )
+    else:
+        logger(__name__).warning(
+            "%s: no group with reward variance; no update this iteration", scored_path
         )
     step = global_step + len(history)
     state = {
-        "optimizer": opt.state_dict(),
+        "optimizer": None if w.optimizer is None else w.optimizer.state_dict(),
         "optimizer_key": w.optimizer_key,
         "global_step": step,
         "rng": torch.get_rng_state(),
@@ -90,12 +114,42 @@ def update_from_file(
     bad = [h for h in history if not math.isfinite(h["loss"])]
     if bad:
         logger(__name__).warning("%d update steps had a non-finite loss", len(bad))
+    for h in history:
+        h.update(extra)
     return {
         "checkpoint": out_checkpoint,
         "global_step": step,
         "history": history,
         "timing/update_s": t["seconds"],
     }
+
+
+def loss_options(rl: dict) -> dict:
+    """The RL config section turned into ``grpo_update`` keyword arguments."""
+    engine = None
+    if rl["vllm_importance_sampling_correction"]:
+        engine = {
+            "mode": rl["vllm_importance_sampling_mode"],
+            "clip_min": rl["vllm_importance_sampling_clip_min"],
+            "clip_max": rl["vllm_importance_sampling_clip_max"],
+        }
+    keys = (
+        "beta",
+        "epsilon",
+        "epsilon_high",
+        "loss_type",
+        "max_completion_length",
+        "importance_sampling_level",
+        "kl_estimator",
+        "use_bias_correction_kl",
+        "objective",
+        "delta",
+        "clip_ratio_c",
+        "top_entropy_quantile",
+        "temperature",
+        "max_grad_norm",
+    )
+    return {**{k: rl[k] for k in keys}, "engine_correction": engine}
 
 
 @task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
@@ -120,7 +174,7 @@ def update(
         global_step=global_step,
         total_steps=total_steps,
     )
-    last = out["history"][-1]
+    last = out["history"][-1] if out["history"] else {"loss": float("nan"), "entropy": float("nan")}
     logger(__name__).info(
         "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
         stage,

@@ -142,3 +142,66 @@ def test_rejection_sampling_keeps_only_passing_completions(
             tracking,
             0,
         )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"loss_type": "grpo", "beta": 0.04, "kl_estimator": "k1"},
+        {"loss_type": "dr_grpo", "advantage_estimator": "dr_grpo", "scale_rewards": "none"},
+        {"advantage_estimator": "rloo", "scale_rewards": "none", "epsilon_high": 0.28},
+        {"importance_sampling_level": "sequence", "num_iterations": 2},
+        {"objective": "cispo", "epsilon_high": 4.0},
+        {"clip_ratio_c": 3.0, "delta": 1.5, "top_entropy_quantile": 0.2},
+        {"dynamic_sampling": True, "mask_truncated_completions": True},
+        {"multi_objective_aggregation": "normalize_then_sum", "overlong_buffer_length": 4},
+        {
+            "vllm_importance_sampling_correction": True,
+            "vllm_importance_sampling_mode": "token_truncate",
+        },
+    ],
+    ids=lambda o: ",".join(o),
+)
+def test_every_rl_option_runs_through_score_and_update(tiny_checkpoint, data, tmp_path, options):
+    rl = RLConfig(
+        prompts_per_iteration=4,
+        num_generations=4,
+        steps_per_generation=2,
+        max_completion_length=12,
+        temperature=0.7,
+        **options,
+    )
+    knobs = rl.model_dump()
+    roll = rollout.fn(
+        "rl_1", 0, str(tiny_checkpoint), data["rl"], str(tmp_path / "r.parquet"), knobs, 0
+    )
+    sc = score.fn(
+        "rl_1",
+        0,
+        roll["path"],
+        str(tmp_path / "s.parquet"),
+        {"format": 1.0, "tag_count": 0.5},
+        knobs,
+    )
+    scored = pq.read_table(sc["path"]).to_pandas()
+    if options.get("overlong_buffer_length"):
+        assert "reward_overlong_penalty" in scored.columns
+        assert (scored["reward_overlong_penalty"] <= 0).all()
+    up = update.fn(
+        "rl_1",
+        0,
+        str(tiny_checkpoint),
+        sc["path"],
+        str(tmp_path / "ckpt"),
+        knobs,
+        reference_checkpoint=str(tiny_checkpoint),
+    )
+    for h in up["history"]:
+        assert all(v == v for k, v in h.items() if k != "kl"), h  # no NaN metric
+    if options.get("beta"):
+        assert "kl" in up["history"][0]
+    if options.get("vllm_importance_sampling_correction"):
+        # hf engine at the same weights: sampling and trainer log-probs agree to float error
+        assert up["history"][0]["sampling/sampling_logp_difference/max"] < 1e-3
+    if not options.get("dynamic_sampling"):
+        assert len(up["history"]) == 2 * options.get("num_iterations", 1)
