@@ -1,3 +1,4 @@
+import re
 import shutil
 
 import pytest
@@ -60,7 +61,8 @@ def test_code_tests_reward_end_to_end():
     assert "2/3 asserts failed" in res.errors["code_tests"][1]
     assert scores[2] == 0.0 and "SyntaxError" in res.errors["code_tests"][2]
     assert scores[3] == 0.0
-    assert scores[4] == 0.0 and "SIGXCPU" in res.errors["code_tests"][4]
+    # killed by the CPU rlimit, or by the wall clock first when the machine is loaded
+    assert scores[4] == 0.0 and re.search("SIGXCPU|timeout", res.errors["code_tests"][4])
     assert scores[5] is None
     assert res.per_function["code_compiles"] == [1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
     assert res.total[0] == pytest.approx(1.1)

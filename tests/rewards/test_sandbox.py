@@ -3,6 +3,7 @@ the machine unharmed. Dangerous ones (fork bomb, kill -1) run only where the san
 contain them (pid namespace + an enforced RLIMIT_NPROC)."""
 
 import os
+import re
 import secrets
 import textwrap
 import time
@@ -215,8 +216,9 @@ def test_dangerous_contained(hostile_results, name):
 
 
 def test_reports_say_why(hostile_results):
-    assert hostile_results["infinite_loop"].status == "killed"
-    assert "SIGXCPU" in hostile_results["infinite_loop"].error
+    assert hostile_results["infinite_loop"].status in ("killed", "timeout")
+    # killed by the CPU rlimit, or by the wall clock first when the machine is loaded
+    assert re.search("SIGXCPU|timeout", hostile_results["infinite_loop"].error)
     assert hostile_results["sleep_forever"].status == "timeout"
     assert "timeout" in hostile_results["sleep_forever"].error
     assert hostile_results["os_exit_module"].status == "exited"
