@@ -26,7 +26,7 @@ def _environment(output_dir: str) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     from grpo_core.config import load_config
 
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, [*args.set, *([f"force={args.force}"] if args.force else [])])
     _environment(cfg.output_dir)
     from transformers.utils import logging as hf_logging
 
@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set rl.learning_rate=1e-5 (repeatable)",
+    )
+    run.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="rerun STAGE even if its inputs are unchanged (repeatable; 'all' for every stage)",
     )
     run.set_defaults(func=cmd_run)
     args = parser.parse_args(argv)

@@ -78,10 +78,19 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         dev_path=data.get("dev"),
         max_completion_length=cfg.eval.max_completion_length,
         seed=cfg.seed,
+        force=cfg.forced("cold_start_sft"),
     )
     ckpts["cold_start_sft"] = sft["checkpoint"]
 
-    rl1 = timed("rl_1", rl_stage, "rl_1", ckpts["cold_start_sft"], cfg.rl, **common_rl)
+    rl1 = timed(
+        "rl_1",
+        rl_stage,
+        "rl_1",
+        ckpts["cold_start_sft"],
+        cfg.rl,
+        **common_rl,
+        force=cfg.forced("rl_1"),
+    )
     ckpts["rl_1"] = rl1["checkpoint"]
 
     rs = timed(
@@ -94,6 +103,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         cfg.rewards,
         tracking,
         cfg.seed,
+        force=cfg.forced("rejection_sampling"),
     )
 
     re = timed(
@@ -107,10 +117,19 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         tracking,
         max_completion_length=cfg.eval.max_completion_length,
         seed=cfg.seed,
+        force=cfg.forced("re_sft"),
     )
     ckpts["re_sft"] = re["checkpoint"]
 
-    rl2 = timed("rl_2", rl_stage, "rl_2", ckpts["re_sft"], cfg.rl_2_config(), **common_rl)
+    rl2 = timed(
+        "rl_2",
+        rl_stage,
+        "rl_2",
+        ckpts["re_sft"],
+        cfg.rl_2_config(),
+        **common_rl,
+        force=cfg.forced("rl_2"),
+    )
     ckpts["rl_2"] = rl2["checkpoint"]
 
     # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
@@ -124,7 +143,14 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         "rl_2": rl2["run_id"],
     }
     for stage in STAGES:
-        ev = evaluate_stage(stage, ckpts[stage], data["eval"], cfg.eval, str(ws.eval_table(stage)))
+        ev = evaluate_stage(
+            stage,
+            ckpts[stage],
+            data["eval"],
+            cfg.eval,
+            str(ws.eval_table(stage)),
+            force=cfg.forced("final_evaluation"),
+        )
         results[stage] = ev
         summary_metrics = {k: ev[k] for k in ("accuracy", "format_rate", "mean_length")}
         metrics = {f"{stage}/eval/{k}": v for k, v in summary_metrics.items()}

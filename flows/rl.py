@@ -15,8 +15,10 @@ import time
 
 from prefect import flow
 
+from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path
+from tasks import warm
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rollout import rollout
@@ -41,6 +43,7 @@ def rl_stage(
     tracking: Tracking,
     seed: int = 0,
     rollout_batch_size: int = 512,
+    force: bool = False,
 ) -> dict:
     log = logger(__name__)
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
@@ -54,6 +57,7 @@ def rl_stage(
     total_steps = rl.iterations * rl.steps_per_generation * rl.num_iterations
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
+    reused = 0
     log.info(
         "%s: %d iterations of %d prompts x %d generations from %s",
         stage,
@@ -64,9 +68,19 @@ def rl_stage(
     )
     for it in range(rl.iterations):
         roll = rollout(
-            stage, it, policy, rl_path, str(ws.rollouts(stage, it)), knobs, seed, rollout_batch_size
+            stage,
+            it,
+            policy,
+            rl_path,
+            str(ws.rollouts(stage, it)),
+            knobs,
+            seed,
+            rollout_batch_size,
+            force=force,
         )
-        scored = score(stage, it, roll["path"], str(ws.scored(stage, it)), weights, knobs)
+        scored = score(
+            stage, it, roll["path"], str(ws.scored(stage, it)), weights, knobs, force=force
+        )
         upd = update(
             stage,
             it,
@@ -77,7 +91,9 @@ def rl_stage(
             reference_checkpoint=init_checkpoint,
             global_step=step,
             total_steps=total_steps,
+            force=force,
         )
+        reused += roll["cached"] and scored["cached"] and upd["cached"]
         for i, h in enumerate(upd["history"]):
             tracking.log_metrics(run_id, h, step + i + 1)
         iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
@@ -87,7 +103,14 @@ def rl_stage(
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
-            ev = evaluate_checkpoint(policy, eval_path, eval_cfg, desc=f"{stage} it{it} eval")
+            ev = evaluate_checkpoint(
+                policy,
+                eval_path,
+                eval_cfg,
+                desc=f"{stage} it{it} eval",
+                force=force,
+                out_table=str(ws.iteration_dir(stage, it) / "eval.parquet"),
+            )
             evals.append(
                 {
                     "iteration": it,
@@ -112,13 +135,16 @@ def rl_stage(
                 scored["reward"],
             )
     final = ws.checkpoint(stage)
-    with atomic_path(final) as tmp:
-        shutil.copytree(policy, tmp)
-    from tasks import warm
-
+    if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
+        with atomic_path(final) as tmp:
+            shutil.copytree(policy, tmp)
     warm.get(final)  # same weights: relabel the warm policy with the stage checkpoint
+    if reused:
+        log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
     wall = time.perf_counter() - t0
-    tracking.log_metrics(run_id, {"wall_time_s": wall, "global_step": step}, step)
+    tracking.log_metrics(
+        run_id, {"wall_time_s": wall, "global_step": step, "cached_iterations": reused}, step
+    )
     tracking.log_json(run_id, evals, "eval_history.json")
     tracking.end(run_id)
     return {
@@ -145,7 +171,8 @@ def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:
-    """Keep the last few iteration checkpoints (rollouts and scores are always kept)."""
+    """Drop the optimizer state of older iterations; weights, rollouts and scores stay so any
+    iteration can be rerun or resumed from (its optimizer then starts fresh)."""
     old = it - KEEP_ITERATION_CHECKPOINTS
     if old >= 0:
-        shutil.rmtree(ws.iteration_checkpoint(stage, old), ignore_errors=True)
+        (ws.iteration_checkpoint(stage, old) / TRAINER_STATE).unlink(missing_ok=True)

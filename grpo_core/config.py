@@ -182,6 +182,9 @@ class EvalConfig(Section):
     format_reward: str = "format"
 
 
+STAGE_NAMES = ("cold_start_sft", "rl_1", "rejection_sampling", "re_sft", "rl_2", "final_evaluation")
+
+
 class PipelineConfig(Section):
     """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
 
@@ -189,6 +192,10 @@ class PipelineConfig(Section):
     seed: int = 0
     output_dir: str = "runs"
     torch_threads: int | None = None
+    force: list[str] = Field(
+        default_factory=list,
+        description="stages to rerun even when their inputs are unchanged ('all' for every stage)",
+    )
     tracking: TrackingConfig = TrackingConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -207,7 +214,15 @@ class PipelineConfig(Section):
         self.rl_2_config()
         if not self.rewards:
             raise ValueError("rewards: at least one reward function is required")
+        unknown = set(self.force) - {*STAGE_NAMES, "all"}
+        if unknown:
+            raise ValueError(
+                f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
+            )
         return self
+
+    def forced(self, stage: str) -> bool:
+        return "all" in self.force or stage in self.force
 
     def re_sft_config(self) -> SFTConfig:
         try:

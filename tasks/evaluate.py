@@ -12,6 +12,7 @@ from grpo_core.data import load_rows
 from grpo_core.evaluation import evaluate
 from grpo_core.io import write_parquet
 from tasks import warm
+from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 
 
@@ -22,6 +23,23 @@ def evaluate_checkpoint(
     *,
     out_table: str | None = None,
     desc: str = "eval",
+    force: bool = False,
+) -> dict:
+    """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config)."""
+    if out_table is None:
+        return _evaluate(checkpoint, eval_path, cfg, None, desc)
+    key = stage_key("eval", cfg.model_dump(), [checkpoint, eval_path])
+    return cached(
+        desc,
+        out_table,
+        key,
+        lambda: _evaluate(checkpoint, eval_path, cfg, out_table, desc),
+        force=force,
+    )
+
+
+def _evaluate(
+    checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str
 ) -> dict:
     rows = load_rows(eval_path)
     if cfg.num_examples:
@@ -50,9 +68,16 @@ def evaluate_checkpoint(
 
 @task(name="evaluate", task_run_name="eval-{stage}", cache_policy=NO_CACHE)
 def evaluate_stage(
-    stage: str, checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str
+    stage: str,
+    checkpoint: str,
+    eval_path: str,
+    cfg: EvalConfig,
+    out_table: str,
+    force: bool = False,
 ) -> dict:
-    out = evaluate_checkpoint(checkpoint, eval_path, cfg, out_table=out_table, desc=f"eval {stage}")
+    out = evaluate_checkpoint(
+        checkpoint, eval_path, cfg, out_table=out_table, desc=f"eval {stage}", force=force
+    )
     logger(__name__).info(
         "eval %s: accuracy %.3f, format %.3f, mean length %.1f",
         stage,

@@ -11,6 +11,7 @@ from grpo_core.data import load_rows
 from grpo_core.io import write_jsonl
 from grpo_core.rejection import select_completions, to_sft_rows
 from grpo_core.rollouts import read_scored
+from tasks.cache import cached, stage_key
 from tasks.common import logger
 from tasks.rollout import sample_rollouts, select_prompts
 from tasks.score import score_file
@@ -26,10 +27,31 @@ def rejection_sampling(
     weights: dict[str, float],
     tracking: Tracking,
     seed: int,
+    force: bool = False,
 ) -> dict:
-    log = logger(__name__)
     run_id = tracking.start_child("rejection_sampling", {"init_checkpoint": checkpoint})
     tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
+    key = stage_key(
+        "rejection_sampling",
+        {**cfg.model_dump(), "rewards": weights, "seed": seed},
+        [checkpoint, rl_path],
+    )
+    sft_path = f"{stage_dir}/sft.jsonl"
+    out = cached(
+        "rejection_sampling",
+        sft_path,
+        key,
+        force=force,
+        compute=lambda: _sample_and_filter(checkpoint, rl_path, stage_dir, cfg, weights, seed),
+    )
+    tracking.log_metrics(run_id, {k: v for k, v in out.items() if isinstance(v, float)})
+    tracking.log_artifact(run_id, sft_path)
+    tracking.set_tags(run_id, {"cache_key": key, "cached": str(out["cached"]).lower()})
+    tracking.end(run_id)
+    return {**out, "run_id": run_id}
+
+
+def _sample_and_filter(checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed) -> dict:
     rows = load_rows(rl_path)
     idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
     roll = sample_rollouts(
@@ -50,13 +72,13 @@ def rejection_sampling(
         max_per_prompt=cfg.max_per_prompt,
         require={k: 1.0 for k in cfg.require},
     )
+    n = len(idx) * cfg.num_generations
     if not kept:
         raise RuntimeError(
-            f"rejection sampling kept no completion of {len(idx) * cfg.num_generations} "
-            f"(min_reward={cfg.min_reward}); lower rejection_sampling.min_reward or train RL longer"
+            f"rejection sampling kept no completion of {n} (min_reward={cfg.min_reward}, "
+            f"require={cfg.require}); relax rejection_sampling.require/min_reward or train RL longer"
         )
     sft_path = write_jsonl(to_sft_rows(kept), f"{stage_dir}/sft.jsonl")
-    n = len(idx) * cfg.num_generations
     stats = {
         "sampled": float(n),
         "kept": float(len(kept)),
@@ -66,14 +88,11 @@ def rejection_sampling(
         **{k: v for k, v in scored.items() if k.startswith("rewards/")},
         "completions/mean_length": roll["completions/mean_length"],
     }
-    tracking.log_metrics(run_id, stats)
-    tracking.log_artifact(run_id, sft_path)
-    tracking.end(run_id)
-    log.info(
+    logger(__name__).info(
         "rejection sampling: kept %d of %d completions (%.1f%%) over %d prompts",
         len(kept),
         n,
         100 * stats["acceptance_rate"],
         int(stats["prompts_covered"]),
     )
-    return {"path": str(sft_path), "run_id": run_id, **stats}
+    return {"path": str(sft_path), **stats}

@@ -16,6 +16,7 @@ from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
 from grpo_core.text import encode_prompt
 from tasks import warm
+from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 
 
@@ -110,7 +111,36 @@ def rollout(
     rl: dict,
     seed: int,
     batch_size: int = 512,
+    force: bool = False,
 ) -> dict:
+    knobs = {k: rl[k] for k in ROLLOUT_KNOBS}
+    key = stage_key(
+        "rollout",
+        {**knobs, "iteration": iteration, "seed": seed, "stage": stage},
+        [policy_checkpoint, rl_path],
+    )
+    return cached(
+        f"{stage} iteration {iteration} rollout",
+        out_path,
+        key,
+        lambda: _rollout(
+            stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, batch_size
+        ),
+        force=force,
+    )
+
+
+ROLLOUT_KNOBS = (
+    "prompts_per_iteration",
+    "num_generations",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_completion_length",
+)
+
+
+def _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, batch_size) -> dict:
     rl_rows = cached_rows(rl_path)
     idx = select_prompts(len(rl_rows), rl["prompts_per_iteration"], iteration, seed, stage)
     out = sample_rollouts(

@@ -15,6 +15,7 @@ from grpo_core.advantages import compute_multi, weighted_reward_sum
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
 from grpo_core.sampling_filters import overlong_penalty
+from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 
 
@@ -102,23 +103,30 @@ def score(
     out_path: str,
     weights: dict[str, float],
     rl: dict,
+    force: bool = False,
 ) -> dict:
-    out = score_file(
-        rollouts_path,
-        out_path,
-        weights,
-        advantage_estimator=rl["advantage_estimator"],
-        scale_rewards=rl["scale_rewards"],
-        multi_objective_aggregation=rl["multi_objective_aggregation"],
-        overlong_buffer_length=rl["overlong_buffer_length"],
-        overlong_penalty_factor=rl["overlong_penalty_factor"],
-        max_completion_length=rl["max_completion_length"],
-    )
-    logger(__name__).info(
-        "%s iteration %d: reward %.3f, zero-std groups %.2f",
-        stage,
-        iteration,
-        out["reward"],
-        out["frac_reward_zero_std"],
-    )
-    return out
+    opts = {k: rl[k] for k in SCORE_KNOBS}
+    key = stage_key("score", {"rewards": weights, **opts}, [rollouts_path])
+
+    def compute() -> dict:
+        out = score_file(rollouts_path, out_path, weights, **opts)
+        logger(__name__).info(
+            "%s iteration %d: reward %.3f, zero-std groups %.2f",
+            stage,
+            iteration,
+            out["reward"],
+            out["frac_reward_zero_std"],
+        )
+        return out
+
+    return cached(f"{stage} iteration {iteration} score", out_path, key, compute, force=force)
+
+
+SCORE_KNOBS = (
+    "advantage_estimator",
+    "scale_rewards",
+    "multi_objective_aggregation",
+    "overlong_buffer_length",
+    "overlong_penalty_factor",
+    "max_completion_length",
+)

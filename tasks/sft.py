@@ -1,4 +1,8 @@
-"""SFT stage task (cold start and re-SFT): load, train on completions, save, log."""
+"""SFT stage task (cold start and re-SFT): load, train on completions, save, log.
+
+Cached on (SFT config, init checkpoint weights, data files, code version): an unchanged
+rerun records a child run tagged ``cached=true`` with the stored summary and trains nothing.
+"""
 
 from __future__ import annotations
 
@@ -11,31 +15,25 @@ from grpo_core.data import load_rows
 from grpo_core.evaluation import evaluate
 from grpo_core.sft import train_sft
 from tasks import warm
+from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 from tasks.tracking import Tracking
 
 
-@task(name="sft", task_run_name="{stage}", cache_policy=NO_CACHE)
-def sft_stage(
-    stage: str,
-    init_checkpoint: str,
-    data_path: str,
-    out_checkpoint: str,
+def train_stage(
+    stage,
+    init_checkpoint,
+    data_path,
+    out_checkpoint,
     cfg: SFTConfig,
-    tracking: Tracking,
     *,
-    dev_path: str | None = None,
-    max_completion_length: int = 48,
-    seed: int = 0,
+    dev_path=None,
+    max_completion_length=48,
+    seed=0,
+    on_step=None,
 ) -> dict:
+    """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary."""
     log = logger(__name__)
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
-    tracking.log_params(run_id, cfg.model_dump())
-    tracking.log_json(
-        run_id,
-        {"stage": stage, "init_checkpoint": init_checkpoint, "data": data_path, **cfg.model_dump()},
-        "stage_config.json",
-    )
     rows = load_rows(data_path, required=("prompt", "completion"))
     w = warm.get(init_checkpoint, mutate=True)
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
@@ -68,27 +66,13 @@ def sft_stage(
             target_accuracy=cfg.target_accuracy,
             eval_every=cfg.eval_every,
             min_steps=cfg.min_steps,
-            on_step=lambda step, m: (
-                tracking.log_metrics(run_id, m, step)
-                if step % 10 == 0 or "dev/accuracy" in m
-                else None
-            ),
+            on_step=on_step,
             desc=stage,
         )
     save_checkpoint(
         w.model, w.tokenizer, out_checkpoint, info={"stage": stage, "steps": result.steps}
     )
     warm.put(out_checkpoint, w)
-    summary = {
-        "steps": result.steps,
-        "final_loss": result.final_loss,
-        "stopped_early": float(result.stopped_early),
-        "wall_time_s": t["seconds"],
-        "train_examples": len(rows),
-    }
-    tracking.log_metrics(run_id, summary, result.steps)
-    tracking.set_tags(run_id, {"policy_id": w.policy_id})
-    tracking.end(run_id)
     log.info(
         "%s: %d steps in %.1fs, final loss %.4f%s",
         stage,
@@ -97,4 +81,72 @@ def sft_stage(
         result.final_loss,
         " (dev target reached)" if result.stopped_early else "",
     )
-    return {"checkpoint": out_checkpoint, "run_id": run_id, **summary}
+    return {
+        "checkpoint": str(out_checkpoint),
+        "steps": result.steps,
+        "final_loss": result.final_loss,
+        "stopped_early": float(result.stopped_early),
+        "wall_time_s": t["seconds"],
+        "train_examples": len(rows),
+        "policy_id": w.policy_id,
+    }
+
+
+@task(name="sft", task_run_name="{stage}", cache_policy=NO_CACHE)
+def sft_stage(
+    stage: str,
+    init_checkpoint: str,
+    data_path: str,
+    out_checkpoint: str,
+    cfg: SFTConfig,
+    tracking: Tracking,
+    *,
+    dev_path: str | None = None,
+    max_completion_length: int = 48,
+    seed: int = 0,
+    force: bool = False,
+) -> dict:
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
+    settings = {**cfg.model_dump(), "max_completion_length": max_completion_length, "seed": seed}
+    tracking.log_params(run_id, cfg.model_dump())
+    tracking.log_json(
+        run_id,
+        {"stage": stage, "init_checkpoint": init_checkpoint, "data": data_path, **settings},
+        "stage_config.json",
+    )
+    inputs = [init_checkpoint, data_path] + (
+        [dev_path] if dev_path and cfg.target_accuracy is not None else []
+    )
+    key = stage_key("sft", settings, inputs)
+
+    def log_step(step: int, m: dict) -> None:
+        if step % 10 == 0 or "dev/accuracy" in m:
+            tracking.log_metrics(run_id, m, step)
+
+    out = cached(
+        stage,
+        out_checkpoint,
+        key,
+        force=force,
+        compute=lambda: train_stage(
+            stage,
+            init_checkpoint,
+            data_path,
+            out_checkpoint,
+            cfg,
+            dev_path=dev_path,
+            max_completion_length=max_completion_length,
+            seed=seed,
+            on_step=log_step,
+        ),
+    )
+    summary = {
+        k: out[k] for k in ("steps", "final_loss", "stopped_early", "wall_time_s", "train_examples")
+    }
+    tracking.log_metrics(run_id, summary, out["steps"])
+    tracking.set_tags(
+        run_id,
+        {"policy_id": out["policy_id"], "cache_key": key, "cached": str(out["cached"]).lower()},
+    )
+    tracking.end(run_id)
+    return {**out, "run_id": run_id}

@@ -16,6 +16,7 @@ from grpo_core.sampling_filters import dynamic_sampling_mask
 from grpo_core.sft import lr_lambda
 from grpo_core.update import build_batch, grpo_update
 from tasks import warm
+from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 
 
@@ -164,24 +165,40 @@ def update(
     reference_checkpoint: str | None = None,
     global_step: int = 0,
     total_steps: int | None = None,
+    force: bool = False,
 ) -> dict:
-    out = update_from_file(
-        policy_checkpoint,
-        scored_path,
-        out_checkpoint,
-        rl,
-        reference_checkpoint=reference_checkpoint,
-        global_step=global_step,
-        total_steps=total_steps,
+    knobs = {k: v for k, v in rl.items() if k not in ("eval_every", "iterations")}
+    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl["beta"] > 0 else [])
+    key = stage_key(
+        "update", {**knobs, "global_step": global_step, "total_steps": total_steps}, inputs
     )
-    last = out["history"][-1] if out["history"] else {"loss": float("nan"), "entropy": float("nan")}
-    logger(__name__).info(
-        "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
-        stage,
-        iteration,
-        len(out["history"]),
-        last["loss"],
-        last["entropy"],
-        out["timing/update_s"],
+
+    def compute() -> dict:
+        out = update_from_file(
+            policy_checkpoint,
+            scored_path,
+            out_checkpoint,
+            rl,
+            reference_checkpoint=reference_checkpoint,
+            global_step=global_step,
+            total_steps=total_steps,
+        )
+        last = (
+            out["history"][-1]
+            if out["history"]
+            else {"loss": float("nan"), "entropy": float("nan")}
+        )
+        logger(__name__).info(
+            "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
+            stage,
+            iteration,
+            len(out["history"]),
+            last["loss"],
+            last["entropy"],
+            out["timing/update_s"],
+        )
+        return out
+
+    return cached(
+        f"{stage} iteration {iteration} update", out_checkpoint, key, compute, force=force
     )
-    return out

@@ -1,0 +1,113 @@
+"""Content-addressed stage cache (DESIGN.md "Stage semantics").
+
+A stage's key is the hash of: its config section, the content hashes of its input files,
+and the code version (a hash of the grpo_core/tasks/flows sources). After a stage writes its
+outputs it records ``{key, result}`` in a manifest beside them; a later run with the same key
+whose outputs still exist returns the recorded result instead of recomputing. ``force``
+reruns regardless. Manifests are written atomically, after the outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from grpo_core.checkpoint import file_sha256, policy_id
+from grpo_core.io import write_json
+
+_PACKAGES = ("grpo_core", "tasks", "flows")
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """Hash of the Python sources of the pipeline packages (works without git)."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for pkg in _PACKAGES:
+        for f in sorted((root / pkg).rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=256)
+def _file_hash(path: str, size: int, mtime_ns: int) -> str:
+    return file_sha256(path)
+
+
+def content_hash(path: str | Path) -> str:
+    """Weights hash for a checkpoint directory, sha256 for a file (memoised on size+mtime)."""
+    p = Path(path)
+    if p.is_dir():
+        return policy_id(p)
+    st = p.stat()
+    return _file_hash(str(p), st.st_size, st.st_mtime_ns)
+
+
+def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
+    blob = json.dumps(
+        {
+            "stage": stage,
+            "config": config,
+            "inputs": [content_hash(p) for p in inputs],
+            "code": code_version(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def manifest_path(output: str | Path) -> Path:
+    p = Path(output)
+    return p.with_name(f"{p.name}.stage.json")
+
+
+def lookup(output: str | Path, key: str, *, outputs: list[str | Path] | None = None) -> dict | None:
+    """The recorded result if ``output``'s manifest has ``key`` and the outputs exist."""
+    m = manifest_path(output)
+    if not m.exists():
+        return None
+    try:
+        record = json.loads(m.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("key") != key:
+        return None
+    if not all(Path(p).exists() for p in [output, *(outputs or [])]):
+        return None
+    return record["result"]
+
+
+def record(output: str | Path, key: str, result: dict) -> None:
+    write_json(
+        {"key": key, "code_version": code_version(), "result": result}, manifest_path(output)
+    )
+
+
+def cached(
+    label: str,
+    output: str | Path,
+    key: str,
+    compute,
+    *,
+    force: bool = False,
+    outputs: list[str | Path] | None = None,
+) -> dict:
+    """Return the recorded result for ``key`` or run ``compute()`` and record its result.
+
+    The returned dict carries ``cached: True|False`` so flows and logs can say what ran.
+    """
+    from tasks.common import logger
+
+    if not force:
+        hit = lookup(output, key, outputs=outputs)
+        if hit is not None:
+            logger(__name__).info("%s: inputs unchanged (key %s), reusing %s", label, key, output)
+            return {**hit, "cached": True}
+    result = compute()
+    record(output, key, result)
+    return {**result, "cached": False}
