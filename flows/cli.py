@@ -1,18 +1,23 @@
 """``grpo``: the command line.
 
-grpo run [--config FILE] [--set section.key=value ...]
+grpo run [--config FILE] [--set section.key=value ...] [--force STAGE]
+grpo rollout --policy CKPT | score --rollouts R.parquet | update --scored S --policy CKPT
+     | eval --checkpoint CKPT                          (one stage from files; flows/stages.py)
+grpo compare [RUN ...]                                 (stages x metrics across runs; PNG plot)
+grpo serve                                             (deployments for the Prefect UI)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 from pathlib import Path
 
 
-def _environment(output_dir: str) -> None:
+def _environment(output_dir: str = ".") -> None:
     """Offline, quiet, local defaults; a user's own settings win."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -21,17 +26,21 @@ def _environment(output_dir: str) -> None:
     os.environ.setdefault("HF_HOME", str(Path(output_dir).resolve() / ".hf_home"))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "grpo_core,tasks,flows")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    return [*args.set, *([f"force={args.force}"] if getattr(args, "force", None) else [])]
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from grpo_core.config import load_config
 
-    cfg = load_config(args.config, [*args.set, *([f"force={args.force}"] if args.force else [])])
+    cfg = load_config(args.config, _overrides(args))
     _environment(cfg.output_dir)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     from flows.r1 import r1_pipeline
     from flows.summary import render_summary
 
@@ -40,20 +49,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="grpo", description="The R1 recipe as Prefect stages tracked in MLflow."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the whole pipeline (the embedded CPU demo by default)")
-    run.add_argument("--config", help="YAML preset (default: the packaged configs/demo.yaml)")
-    run.add_argument(
+def cmd_stage(args: argparse.Namespace) -> int:
+    from grpo_core.config import load_config
+
+    cfg = load_config(args.config, args.set)  # validate before starting Prefect
+    _environment(cfg.output_dir)
+    from flows import stages
+
+    common = {"config": args.config, "overrides": args.set}
+    if args.command == "rollout":
+        out = stages.rollout_flow(args.policy, args.data, args.iteration, args.out, **common)
+    elif args.command == "score":
+        out = stages.score_flow(args.rollouts, args.out, **common)
+    elif args.command == "update":
+        out = stages.update_flow(args.scored, args.policy, args.out, **common)
+    else:
+        out = stages.eval_flow(args.checkpoint, args.data, args.out, **common)
+    print(json.dumps(out, indent=2, default=str))
+    return 0
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML preset (default: the packaged configs/demo.yaml)")
+    p.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
         help="override a config value, e.g. --set rl.learning_rate=1e-5 (repeatable)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="grpo", description="The R1 recipe as Prefect stages tracked in MLflow."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the whole pipeline (the embedded CPU demo by default)")
+    _config_args(run)
     run.add_argument(
         "--force",
         action="append",
@@ -62,7 +95,43 @@ def main(argv: list[str] | None = None) -> int:
         help="rerun STAGE even if its inputs are unchanged (repeatable; 'all' for every stage)",
     )
     run.set_defaults(func=cmd_run)
-    args = parser.parse_args(argv)
+
+    p = sub.add_parser("rollout", help="sample rollouts from a checkpoint into a rollouts Parquet")
+    p.add_argument("--policy", required=True, help="checkpoint directory (save_pretrained)")
+    p.add_argument("--data", help="prompt file (default: the config's RL split)")
+    p.add_argument("--iteration", type=int, default=0, help="which slice of the prompts to take")
+    p.add_argument("--out", help="output Parquet")
+    p = sub.add_parser(
+        "score", help="re-score a rollouts Parquet with the config's reward mix (new file)"
+    )
+    p.add_argument("--rollouts", required=True)
+    p.add_argument(
+        "--out",
+        help="output scored Parquet (default: beside the rollouts, named by the reward mix)",
+    )
+    p = sub.add_parser("update", help="offline GRPO update of a checkpoint from any scored Parquet")
+    p.add_argument("--scored", required=True)
+    p.add_argument("--policy", required=True, help="checkpoint directory to update")
+    p.add_argument("--out", help="output checkpoint directory")
+    p = sub.add_parser("eval", help="greedy held-out evaluation of a checkpoint")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--data", help="prompt file (default: the config's eval split)")
+    p.add_argument("--out", help="output eval table Parquet")
+    for name in ("rollout", "score", "update", "eval"):
+        sp = sub.choices[name]
+        _config_args(sp)
+        sp.set_defaults(func=cmd_stage)
+
+    from flows.compare import add_compare_parser
+    from flows.deployments import add_serve_parser
+
+    add_serve_parser(sub)
+    add_compare_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

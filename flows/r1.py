@@ -17,7 +17,9 @@ import time
 
 from prefect import flow
 
+from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
+from flows.summary import publish_stage_artifact
 from grpo_core.config import PipelineConfig
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
@@ -63,7 +65,8 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         ws=ws,
         tracking=tracking,
         seed=cfg.seed,
-        rollout_batch_size=cfg.rollout.batch_size,
+        engine=cfg.rollout.engine_spec(),
+        eval_engine=cfg.rollout.engine_spec(cfg.eval.engine),
     )
 
     sft = timed(
@@ -104,6 +107,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         tracking,
         cfg.seed,
         force=cfg.forced("rejection_sampling"),
+        engine=cfg.rollout.engine_spec(cfg.rejection_sampling.engine),
     )
 
     re = timed(
@@ -150,6 +154,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
             cfg.eval,
             str(ws.eval_table(stage)),
             force=cfg.forced("final_evaluation"),
+            engine=cfg.rollout.engine_spec(cfg.eval.engine),
         )
         results[stage] = ev
         summary_metrics = {k: ev[k] for k in ("accuracy", "format_rate", "mean_length")}
@@ -163,6 +168,9 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         )
         tracking.log_artifact(stage_runs[stage], ev["table"], "eval")
         tracking.log_json(stage_runs[stage], ev["samples"], "eval_samples.json")
+        publish_stage_artifact(
+            stage, summary_metrics, stage_runs[stage], cfg.tracking.uri, ev["samples"]
+        )
     tracking.log_json(eval_run, {s: results[s]["samples"] for s in STAGES}, "eval_samples.json")
     tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0
@@ -188,6 +196,20 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         "timings": timings,
         "total_time_s": time.perf_counter() - t_start,
     }
+    if rl2["cached_iterations"] < cfg.rl_2_config().iterations or cfg.forced("rl_2"):
+        mv = register_final_checkpoint(
+            cfg.tracking.uri,
+            parent,
+            ckpts["rl_2"],
+            {
+                s: {k: results[s][k] for k in ("accuracy", "format_rate", "mean_length")}
+                for s in STAGES
+            },
+            final_stage="rl_2",
+        )
+        summary["registered_model"] = f"{mv.name}/{mv.version}"
+    else:  # the same weights were registered by the run that trained them
+        summary["registered_model"] = None
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
     tracking.log_json(parent, summary, "summary.json")
     tracking.end(parent)

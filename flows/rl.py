@@ -42,7 +42,8 @@ def rl_stage(
     ws: Workspace,
     tracking: Tracking,
     seed: int = 0,
-    rollout_batch_size: int = 512,
+    engine: dict | None = None,
+    eval_engine: dict | None = None,
     force: bool = False,
 ) -> dict:
     log = logger(__name__)
@@ -75,7 +76,7 @@ def rl_stage(
             str(ws.rollouts(stage, it)),
             knobs,
             seed,
-            rollout_batch_size,
+            engine,
             force=force,
         )
         scored = score(
@@ -110,6 +111,7 @@ def rl_stage(
                 desc=f"{stage} it{it} eval",
                 force=force,
                 out_table=str(ws.iteration_dir(stage, it) / "eval.parquet"),
+                engine=eval_engine,
             )
             evals.append(
                 {
@@ -153,6 +155,7 @@ def rl_stage(
         "global_step": step,
         "wall_time_s": wall,
         "evals": evals,
+        "cached_iterations": reused,
     }
 
 

@@ -33,6 +33,8 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
             f"({100 * rs['acceptance_rate']:.1f}%)"
         )
     console.print(f"total time {summary['total_time_s']:.0f}s; outputs in {summary['workspace']}")
+    if summary.get("registered_model"):
+        console.print(f"final checkpoint registered in MLflow as {summary['registered_model']}")
     uri = summary["tracking_uri"]
     console.print("\nWhere to look next:")
     console.print(
@@ -43,4 +45,31 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     )
     console.print(
         f"  rollouts and scores: {summary['workspace']}/rl_1/iter_0000/*.parquet (pandas / DuckDB)"
+    )
+
+
+def publish_stage_artifact(
+    stage: str, metrics: dict, run_id: str, tracking_uri: str, samples: list[dict]
+) -> None:
+    """A markdown artifact per stage (key ``<stage>-summary``) so the Prefect UI shows what each
+    stage did, with history across runs, and where its MLflow run is."""
+    from prefect.artifacts import create_markdown_artifact
+
+    rows = "\n".join(f"| {k} | {v:.4g} |" for k, v in metrics.items() if isinstance(v, int | float))
+    examples = "\n".join(
+        f"| `{s.get('prompt', '')}` | `{str(s.get('completion', ''))[:120]}` | {s.get('correct')} |"
+        for s in samples[:5]
+    )
+    link = (
+        f"{tracking_uri.rstrip('/')}/#/experiments/runs/{run_id}"
+        if tracking_uri.startswith("http")
+        else run_id
+    )
+    md = (
+        f"## {stage}\n\nMLflow run: {link} (tracking URI `{tracking_uri}`)\n\n"
+        f"| metric | value |\n|---|---|\n{rows}\n\n"
+        f"Held-out samples:\n\n| prompt | completion | correct |\n|---|---|---|\n{examples}\n"
+    )
+    create_markdown_artifact(
+        key=f"{stage.replace('_', '-')}-summary", markdown=md, description=f"{stage} summary"
     )

@@ -84,9 +84,44 @@ class SFTConfig(Section):
     min_steps: int = Field(0, ge=0, description="no early stop before this step")
 
 
+class VLLMConfig(Section):
+    """vLLM engine options (``rollout.engine: vllm``); see docs/engines.md and configs/gpu.yaml."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="share of GPU memory vLLM takes"
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_sleep_mode: bool = Field(
+        False, description="free vLLM's GPU memory during the update (colocated)"
+    )
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = True
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="CPU only: KV cache size (default 1 GiB)"
+    )
+    cpu_threads: int | None = Field(None, ge=1, description="CPU only (default: torch's threads)")
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf"] = "hf"
+    engine: Literal["hf", "vllm"] = "hf"
     batch_size: int = Field(512, ge=1, description="sequences per generation micro-batch")
+    max_batch_tokens: int | None = Field(
+        None, ge=1, description="hf: cap on padded tokens per micro-batch"
+    )
+    check_sync: bool = Field(False, description="greedy probe after each weight sync")
+    vllm: VLLMConfig = VLLMConfig()
+
+    def engine_options(self, name: str) -> dict:
+        if name == "hf":
+            return {"batch_size": self.batch_size, "max_batch_tokens": self.max_batch_tokens}
+        return self.vllm.model_dump()
+
+    def engine_spec(self, name: str | None = None) -> dict:
+        """``{"name", "options", "check_sync"}`` for a stage (``None``: ``engine``)."""
+        name = name or self.engine
+        return {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
 
 
 class RLConfig(Section):
@@ -137,6 +172,11 @@ class RLConfig(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
+    stop: list[str] = Field(
+        default_factory=list, description="stop strings (kept in the completion)"
+    )
     max_completion_length: int = Field(48, ge=1)
     eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
 
@@ -168,6 +208,7 @@ class RejectionConfig(Section):
     max_completion_length: int = Field(48, ge=1)
     min_reward: float = Field(0.0, description="keep completions whose total reward >= this")
     max_per_prompt: int = Field(2, ge=1)
+    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
     require: list[str] = Field(
         default_factory=lambda: ["accuracy", "format"],
         description="reward functions that must score 1.0 for a completion to be kept",
@@ -178,6 +219,7 @@ class EvalConfig(Section):
     num_examples: int | None = Field(None, ge=1, description="None: the whole eval split")
     max_completion_length: int = Field(48, ge=1)
     sample_table_rows: int = Field(20, ge=0)
+    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
     accuracy_reward: str = "accuracy"
     format_reward: str = "format"
 

@@ -48,20 +48,26 @@ def evaluate(
     temperature: float = 0.0,
     seed: int = 0,
     desc: str = "eval",
+    engine=None,
 ) -> EvalResult:
+    """Greedy (``temperature=0``) completions scored for accuracy and format. ``engine``: a
+    ``grpo_core.engines`` rollout engine holding ``model``'s weights (default: HF generate)."""
     if not rows:
         raise ValueError("evaluation: no rows")
     prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
     params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    samples = generate(
-        model,
-        prompt_ids,
-        params,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=tokenizer.eos_token_id,
-        batch_size=batch_size,
-        desc=desc,
-    )
+    if engine is not None:
+        samples = engine.generate(prompt_ids, params, desc=desc)
+    else:
+        samples = generate(
+            model,
+            prompt_ids,
+            params,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=tokenizer.eos_token_id,
+            batch_size=batch_size,
+            desc=desc,
+        )
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]
     prompts = [r["prompt"] for r in rows]
     scored = rewards.score_completions(

@@ -1,14 +1,21 @@
 """The ``hf`` rollout engine: batched sampling with a KV cache and left padding.
 
-All prompts x ``n`` samples go through the model in micro-batches of ``batch_size``
-sequences. Each step feeds only the newest token (the KV cache holds the rest), samples
-from the temperature / top-k / top-p adjusted distribution, and records the log-probability
-of the sampled token under that same distribution (the sampling policy's logprob). Only a
+All prompts x ``n`` samples go through the model in micro-batches of at most ``batch_size``
+sequences (and, when ``max_batch_tokens`` is set, at most that many prompt + completion
+tokens). Each step feeds only the newest token (the KV cache holds the rest), samples from
+the adjusted distribution, and records the log-probability of the sampled token under that
+same distribution (the sampling policy's logprob, vLLM's ``processed_logprobs``). Only a
 [batch, vocab] slice of logits exists at a time.
+
+Logits are adjusted in vLLM's order: repetition penalty (on prompt and completion tokens)
+-> temperature -> min-p -> top-k -> top-p. A sequence stops on an EOS token or when its
+decoded completion contains a stop string (the completing token is kept, as in vLLM's
+``token_ids``), or at ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +31,12 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 48
     seed: int | None = None
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt/completion
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
 
 
 @dataclass
@@ -34,11 +47,24 @@ class Sample:
     sample_index: int
     completion_ids: list[int]
     logprobs: list[float]  # sampling policy's logprob of each completion token
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS or stop string) or "length"
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask logits outside top-k / nucleus top-p with -inf.  logits: [B, V]"""
+def _repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on seen tokens: positive logits / penalty, negative * penalty.
+    logits: [B, V] float, seen: [B, V] bool"""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
+    return torch.where(seen, penalised, logits)
+
+
+def _filter_logits(
+    logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
+) -> torch.Tensor:
+    """Mask logits outside min-p / top-k / nucleus top-p with -inf.  logits: [B, V]"""
+    if min_p > 0.0:
+        probs = logits.softmax(-1)  # [B, V]
+        keep = probs >= min_p * probs.amax(-1, keepdim=True)  # [B, V]
+        logits = logits.masked_fill(~keep, float("-inf"))
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -59,6 +85,7 @@ def _generate_batch(
     pad_id: int,
     eos_ids: set[int],
     generator: torch.Generator | None,
+    stop_hits: Callable[[list[list[int]]], list[bool]] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     device = model.device
     B = len(prompts)
@@ -78,6 +105,8 @@ def _generate_batch(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    seen = None  # [B, V] bool: tokens in prompt or completion (repetition penalty)
+    gen: list[list[int]] = [[] for _ in range(B)]  # completions so far (stop strings)
 
     step_ids, step_pos = input_ids, position_ids
     for t in range(params.max_new_tokens):
@@ -92,17 +121,33 @@ def _generate_batch(
             .logits[:, -1, :]
             .float()
         )  # [B, V]
+        if params.repetition_penalty != 1.0:
+            if seen is None:
+                counts = torch.zeros(logits.shape, dtype=torch.long, device=device)  # [B, V]
+                seen = counts.scatter_add_(1, input_ids, attn[:, :L]) > 0  # prompt, no padding
+            logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         if params.temperature == 0:
             logprobs = logits.log_softmax(-1)  # [B, V]
             tok = logits.argmax(-1)  # [B]
         else:
-            scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p)
+            scaled = _filter_logits(
+                logits / params.temperature, params.top_k, params.top_p, params.min_p
+            )
             logprobs = scaled.log_softmax(-1)  # [B, V]
             tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # [B]
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out_tokens[:, t] = tok
         out_logp[:, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
         hit_eos = torch.isin(tok, eos) & ~done
+        if seen is not None:
+            seen.scatter_(1, tok[:, None], (~done)[:, None])
+        if stop_hits is not None:
+            active = (~done & ~hit_eos).tolist()
+            for i, (a, tk) in enumerate(zip(active, tok.tolist(), strict=True)):
+                if a:
+                    gen[i].append(tk)
+            hits = stop_hits([g if a else [] for g, a in zip(gen, active, strict=True)])
+            hit_eos |= torch.tensor(hits, dtype=torch.bool, device=device)
         lengths = torch.where(hit_eos, torch.full_like(lengths, t + 1), lengths)
         stopped |= hit_eos
         done |= hit_eos
@@ -121,6 +166,44 @@ def _generate_batch(
     return completions, logps, reasons
 
 
+def stop_string_matcher(
+    decode: Callable[[list[int]], str], stops: tuple[str, ...]
+) -> Callable[[list[list[int]]], list[bool]]:
+    """For each completion so far, whether its decoded tail contains a stop string.
+
+    Only the last few tokens are decoded (enough for the longest stop string: every
+    earlier position was checked at an earlier step)."""
+    window = max(len(s) for s in stops) + 4
+
+    def hits(completions: list[list[int]]) -> list[bool]:
+        out = []
+        for ids in completions:
+            text = decode(ids[-window:]) if ids else ""
+            out.append(any(s in text for s in stops))
+        return out
+
+    return hits
+
+
+def micro_batches(
+    lengths: list[int], max_new_tokens: int, batch_size: int, max_batch_tokens: int | None
+) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` slices of consecutive jobs: at most ``batch_size`` sequences and, when
+    ``max_batch_tokens`` is set, at most that many padded tokens (rows x (longest prompt +
+    max_new_tokens)); a job too long for the budget alone still gets a batch of one."""
+    start = 0
+    while start < len(lengths):
+        end, longest = start, 0
+        while end < len(lengths) and end - start < batch_size:
+            longest_next = max(longest, lengths[end])
+            cost = (end - start + 1) * (longest_next + max_new_tokens)
+            if max_batch_tokens is not None and end > start and cost > max_batch_tokens:
+                break
+            longest, end = longest_next, end + 1
+        yield start, end
+        start = end
+
+
 def generate(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -129,16 +212,25 @@ def generate(
     pad_token_id: int,
     eos_token_ids: int | list[int],
     batch_size: int = 512,
+    max_batch_tokens: int | None = None,
+    tokenizer=None,
     desc: str = "generate",
     progress: bool = True,
 ) -> list[Sample]:
     """Sample ``params.n`` completions for each tokenised prompt.
 
     Returns samples ordered by prompt then sample index. Completion ids include the EOS
-    token when the sequence stopped on it.
+    token when the sequence stopped on it. Stop strings (``params.stop``) need ``tokenizer``.
     """
     if not prompt_ids:
         return []
+    stop_hits = None
+    if params.stop:
+        if tokenizer is None:
+            raise ValueError("stop strings need the tokenizer: generate(..., tokenizer=tok)")
+        stop_hits = stop_string_matcher(
+            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop
+        )
     eos_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
     generator = None
     if params.seed is not None:
@@ -149,8 +241,11 @@ def generate(
     samples: list[Sample] = []
     try:
         with tqdm(total=len(jobs), desc=desc, unit="seq", disable=not progress, leave=False) as bar:
-            for start in range(0, len(jobs), batch_size):
-                chunk = jobs[start : start + batch_size]
+            lengths = [len(prompt_ids[p]) for p, _ in jobs]
+            for start, end in micro_batches(
+                lengths, params.max_new_tokens, batch_size, max_batch_tokens
+            ):
+                chunk = jobs[start:end]
                 ids, lps, reasons = _generate_batch(
                     model,
                     [prompt_ids[p] for p, _ in chunk],
@@ -158,6 +253,7 @@ def generate(
                     pad_token_id,
                     eos_ids,
                     generator,
+                    stop_hits,
                 )
                 for (p, s), c, lp, r in zip(chunk, ids, lps, reasons, strict=True):
                     samples.append(Sample(p, s, c, lp, r))

@@ -31,7 +31,7 @@ ROLLOUT_COLUMNS = {
     "completion_ids": "completion token ids (ends with EOS when finish_reason is 'stop')",
     "completion_logprobs": "sampling policy's log-probability of each completion token",
     "completion_length": "number of completion tokens",
-    "finish_reason": "'stop' (EOS) or 'length' (hit max_completion_length)",
+    "finish_reason": "'stop' (EOS or a stop string) or 'length' (hit max_completion_length)",
     "policy_id": "content hash of the checkpoint that sampled the row",
     "iteration": "RL iteration (generation batch) that produced the row",
 }

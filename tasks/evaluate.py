@@ -24,27 +24,41 @@ def evaluate_checkpoint(
     out_table: str | None = None,
     desc: str = "eval",
     force: bool = False,
+    engine: dict | None = None,
 ) -> dict:
-    """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config)."""
+    """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config).
+    ``engine``: ``{"name", "options", "check_sync"}`` (default hf)."""
+    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
     if out_table is None:
-        return _evaluate(checkpoint, eval_path, cfg, None, desc)
-    key = stage_key("eval", cfg.model_dump(), [checkpoint, eval_path])
+        return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
+    key = stage_key("eval", {**cfg.model_dump(), "engine": engine["name"]}, [checkpoint, eval_path])
     return cached(
         desc,
         out_table,
         key,
-        lambda: _evaluate(checkpoint, eval_path, cfg, out_table, desc),
+        lambda: _evaluate(checkpoint, eval_path, cfg, out_table, desc, engine),
         force=force,
     )
 
 
 def _evaluate(
-    checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str
+    checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
 ) -> dict:
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
     w = warm.get(checkpoint)
+    eng = None
+    if engine["name"] != "hf":
+        eng = warm.ENGINES.get(
+            engine["name"],
+            checkpoint=w.checkpoint,
+            policy_id=w.policy_id,
+            model=w.model,
+            tokenizer=w.tokenizer,
+            opts=engine["options"],
+            check_sync=engine["check_sync"],
+        )
     with timer() as t:
         result = evaluate(
             w.model,
@@ -54,6 +68,7 @@ def _evaluate(
             accuracy_reward=cfg.accuracy_reward,
             format_reward=cfg.format_reward,
             desc=desc,
+            engine=eng,
         )
     if out_table:
         write_parquet(pa.Table.from_pylist(result.table), out_table)
@@ -74,9 +89,16 @@ def evaluate_stage(
     cfg: EvalConfig,
     out_table: str,
     force: bool = False,
+    engine: dict | None = None,
 ) -> dict:
     out = evaluate_checkpoint(
-        checkpoint, eval_path, cfg, out_table=out_table, desc=f"eval {stage}", force=force
+        checkpoint,
+        eval_path,
+        cfg,
+        out_table=out_table,
+        desc=f"eval {stage}",
+        force=force,
+        engine=engine,
     )
     logger(__name__).info(
         "eval %s: accuracy %.3f, format %.3f, mean length %.1f",

@@ -28,12 +28,14 @@ def rejection_sampling(
     tracking: Tracking,
     seed: int,
     force: bool = False,
+    engine: dict | None = None,
 ) -> dict:
     run_id = tracking.start_child("rejection_sampling", {"init_checkpoint": checkpoint})
     tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
+    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
     key = stage_key(
         "rejection_sampling",
-        {**cfg.model_dump(), "rewards": weights, "seed": seed},
+        {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]},
         [checkpoint, rl_path],
     )
     sft_path = f"{stage_dir}/sft.jsonl"
@@ -42,7 +44,9 @@ def rejection_sampling(
         sft_path,
         key,
         force=force,
-        compute=lambda: _sample_and_filter(checkpoint, rl_path, stage_dir, cfg, weights, seed),
+        compute=lambda: _sample_and_filter(
+            checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
+        ),
     )
     tracking.log_metrics(run_id, {k: v for k, v in out.items() if isinstance(v, float)})
     tracking.log_artifact(run_id, sft_path)
@@ -51,7 +55,9 @@ def rejection_sampling(
     return {**out, "run_id": run_id}
 
 
-def _sample_and_filter(checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed) -> dict:
+def _sample_and_filter(
+    checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed, engine
+) -> dict:
     rows = load_rows(rl_path)
     idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
     roll = sample_rollouts(
@@ -63,6 +69,9 @@ def _sample_and_filter(checkpoint, rl_path, stage_dir, cfg: RejectionConfig, wei
         max_completion_length=cfg.max_completion_length,
         iteration=0,
         seed=seed,
+        engine=engine["name"],
+        engine_options=engine["options"],
+        check_sync=engine["check_sync"],
         desc="rejection sampling",
     )
     scored = score_file(roll["path"], f"{stage_dir}/scored.parquet", weights)

@@ -11,7 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.data import load_rows
-from grpo_core.generation import SamplingParams, generate
+from grpo_core.generation import SamplingParams
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
 from grpo_core.text import encode_prompt
@@ -49,14 +49,19 @@ def sample_rollouts(
     temperature: float,
     top_p: float = 1.0,
     top_k: int = 0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    stop: list[str] | tuple[str, ...] = (),
     max_completion_length: int,
     iteration: int,
     seed: int,
-    batch_size: int = 512,
     engine: str = "hf",
+    engine_options: dict | None = None,
+    check_sync: bool = False,
     desc: str = "rollout",
 ) -> dict:
-    """Generate and write the rollout Parquet; returns path and generation metrics."""
+    """Generate with ``engine`` (kept warm, weights synced in memory) and write the rollout
+    Parquet; returns path and generation metrics."""
     w = warm.get(policy_checkpoint)
     tok = w.tokenizer
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in rows]
@@ -65,22 +70,28 @@ def sample_rollouts(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        stop=tuple(stop),
         max_new_tokens=max_completion_length,
         seed=seed,
     )
+    eng = warm.ENGINES.get(
+        engine,
+        checkpoint=w.checkpoint,
+        policy_id=w.policy_id,
+        model=w.model,
+        tokenizer=tok,
+        opts=engine_options,
+        check_sync=check_sync,
+    )
     with timer() as t:
-        samples = generate(
-            w.model,
-            prompt_ids,
-            params,
-            pad_token_id=tok.pad_token_id,
-            eos_token_ids=tok.eos_token_id,
-            batch_size=batch_size,
-            desc=desc,
-        )
+        samples = eng.generate(prompt_ids, params, desc=desc)
+    eng.sleep()  # frees accelerator memory for the update where the engine supports it
     meta = {
         "model": str(policy_checkpoint),
         "engine": engine,
+        "engine_options": engine_options or {},
         "sampling": params.__dict__,
     }
     table = rollout_table(
@@ -110,22 +121,22 @@ def rollout(
     out_path: str,
     rl: dict,
     seed: int,
-    batch_size: int = 512,
+    engine: dict | None = None,
     force: bool = False,
 ) -> dict:
+    """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
+    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
     knobs = {k: rl[k] for k in ROLLOUT_KNOBS}
     key = stage_key(
         "rollout",
-        {**knobs, "iteration": iteration, "seed": seed, "stage": stage},
+        {**knobs, "iteration": iteration, "seed": seed, "stage": stage, "engine": engine["name"]},
         [policy_checkpoint, rl_path],
     )
     return cached(
         f"{stage} iteration {iteration} rollout",
         out_path,
         key,
-        lambda: _rollout(
-            stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, batch_size
-        ),
+        lambda: _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine),
         force=force,
     )
 
@@ -136,11 +147,16 @@ ROLLOUT_KNOBS = (
     "temperature",
     "top_p",
     "top_k",
+    "min_p",
+    "repetition_penalty",
+    "stop",
     "max_completion_length",
 )
 
 
-def _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, batch_size) -> dict:
+def _rollout(
+    stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine: dict
+) -> dict:
     rl_rows = cached_rows(rl_path)
     idx = select_prompts(len(rl_rows), rl["prompts_per_iteration"], iteration, seed, stage)
     out = sample_rollouts(
@@ -151,10 +167,15 @@ def _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, b
         temperature=rl["temperature"],
         top_p=rl["top_p"],
         top_k=rl["top_k"],
+        min_p=rl["min_p"],
+        repetition_penalty=rl["repetition_penalty"],
+        stop=rl["stop"],
         max_completion_length=rl["max_completion_length"],
         iteration=iteration,
         seed=seed * 100_003 + iteration,
-        batch_size=batch_size,
+        engine=engine["name"],
+        engine_options=engine["options"],
+        check_sync=engine["check_sync"],
         desc=f"{stage} it{iteration} rollout",
     )
     logger(__name__).info(

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from grpo_core.checkpoint import load_checkpoint, load_trainer_state, policy_id
+from grpo_core.engines import WarmEngines
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -31,6 +32,7 @@ class WarmPolicy:
     extra: dict = field(default_factory=dict)
 
 
+ENGINES = WarmEngines()  # rollout engines kept alive across iterations (weights synced in memory)
 _WARM: dict[str, WarmPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0}
 

@@ -1,0 +1,222 @@
+"""Deployments: the R1 pipeline and the stage flows as Prefect deployments the UI can run.
+
+Two ways to register them, both against the server in ``PREFECT_API_URL``:
+
+- ``grpo serve``: this process registers every deployment and runs their flow runs itself
+  (``prefect.serve``); no work pool needed. Ctrl-C stops it (its deployments are paused).
+- ``prefect deploy --prefect-file infra/prefect.yaml --all`` + ``infra/start-servers.sh
+  worker``: the same deployments, run by a process worker polling the ``grpo-local`` pool.
+
+Deployments point at :func:`r1_from_config` (config path + ``--set``-style overrides,
+both editable in the UI's "Run" form) rather than at ``r1_pipeline(cfg)``, whose pydantic
+argument would show up in the UI as one big JSON form. Each deployment carries an example
+cron schedule that is created inactive: switch it on in the UI when you want it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+
+from prefect import flow
+
+DEFAULT_CRON = "0 2 * * *"  # nightly at 02:00: an example, created paused
+R1_DEPLOYMENT = "r1-pipeline"
+TAGS = ["grpo"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageFlow:
+    """A stage flow that gets its own deployment (``module:function``, looked up lazily)."""
+
+    deployment: str
+    entrypoint: str
+    description: str
+
+
+# Stage flows for standalone reruns from files (the `grpo score/update/eval/rollout` commands).
+# A stage whose flow cannot be imported is skipped with a warning, so this table can name flows
+# before they land.
+STAGE_FLOWS = (
+    StageFlow("score", "flows.stages:score_flow", "Re-score stored rollouts with a reward mix"),
+    StageFlow("update", "flows.stages:update_flow", "Offline GRPO update from a scored Parquet"),
+    StageFlow("eval", "flows.stages:eval_flow", "Held-out evaluation of a checkpoint"),
+    StageFlow("rollout", "flows.stages:rollout_flow", "Sample rollouts from a checkpoint"),
+)
+
+
+def _offline_defaults() -> None:
+    """What `grpo run` sets for itself; a deployment run starts in a bare worker process."""
+    for key, value in {
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows",
+    }.items():
+        os.environ.setdefault(key, value)
+
+
+@flow(name="r1-from-config", log_prints=True)
+def r1_from_config(config: str | None = None, overrides: list[str] | None = None) -> dict:
+    """Run the whole R1 pipeline from a YAML preset.
+
+    Args:
+        config: path to a YAML preset on the machine that runs the flow (the worker's or
+            `grpo serve`'s); empty: the packaged demo preset.
+        overrides: `section.key=value` strings, as `grpo run --set`, applied in order,
+            e.g. `["rl.iterations=10", "tracking.uri=http://127.0.0.1:5000"]`.
+    """
+    from flows.r1 import r1_pipeline
+    from grpo_core.config import load_config
+
+    _offline_defaults()
+    cfg = load_config(config or None, list(overrides or []))
+    return r1_pipeline(cfg)
+
+
+def _load_stage_flows() -> list[tuple[StageFlow, object]]:
+    found, missing = [], []
+    for spec in STAGE_FLOWS:
+        module, _, attr = spec.entrypoint.partition(":")
+        try:
+            found.append((spec, getattr(importlib.import_module(module), attr)))
+        except (ImportError, AttributeError):
+            missing.append(spec.entrypoint)
+    if missing:
+        log.warning("stage deployments skipped, flows not importable: %s", ", ".join(missing))
+    return found
+
+
+def build_deployments(
+    cron: str | None = DEFAULT_CRON,
+    stages: bool = True,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> list:
+    """RunnerDeployments for `prefect.serve`: the pipeline, then each importable stage flow.
+
+    ``config``/``overrides`` become the pipeline deployment's default parameters (still
+    editable per run in the UI). ``cron`` is attached as an inactive schedule.
+    """
+    from prefect.schedules import Cron
+    from prefect.types.entrypoint import EntrypointType
+
+    def schedules() -> list:
+        return [Cron(cron, active=False)] if cron else []
+
+    # The flow object of the importable module (not __main__'s under `python -m`): the
+    # deployment's entrypoint is its module path, which the flow-run process imports.
+    pipeline_flow = importlib.import_module("flows.deployments")
+    deployments = [
+        pipeline_flow.r1_from_config.to_deployment(
+            name=R1_DEPLOYMENT,
+            description="The whole R1 recipe: cold-start SFT -> RL -> rejection sampling "
+            "-> re-SFT -> RL -> evaluation. Parameters: a YAML preset and --set overrides.",
+            parameters={"config": config, "overrides": list(overrides or [])},
+            schedules=schedules(),
+            tags=TAGS,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        )
+    ]
+    if stages:
+        for spec, stage_flow in _load_stage_flows():
+            deployments.append(
+                stage_flow.to_deployment(
+                    name=spec.deployment,
+                    description=spec.description,
+                    schedules=schedules(),
+                    tags=[*TAGS, "stage"],
+                    entrypoint_type=EntrypointType.MODULE_PATH,
+                )
+            )
+    return deployments
+
+
+def serve_all(
+    cron: str | None = DEFAULT_CRON,
+    limit: int | None = 1,
+    stages: bool = True,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> None:
+    """Register the deployments and run their flow runs in this process until interrupted.
+
+    ``limit`` bounds concurrent flow runs (1: one training job at a time on this machine).
+    """
+    from prefect import serve
+
+    _offline_defaults()
+    serve(*build_deployments(cron, stages, config, overrides), limit=limit)
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``grpo serve`` to the CLI's subparsers (it sets ``func=serve_main``)."""
+    p = subparsers.add_parser(
+        "serve",
+        help="register the Prefect deployments and run what the UI/schedules trigger",
+        description="Registers the r1-pipeline and stage deployments with the Prefect server "
+        "in PREFECT_API_URL and runs their flow runs in this process (Ctrl-C to stop).",
+    )
+    p.add_argument(
+        "--config", help="default YAML preset of the r1-pipeline deployment (editable per run)"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="default override of the r1-pipeline deployment (repeatable; editable per run)",
+    )
+    p.add_argument(
+        "--cron",
+        default=DEFAULT_CRON,
+        help=f"example schedule, created paused (default '{DEFAULT_CRON}'); '' for none",
+    )
+    p.add_argument(
+        "--limit", type=int, default=1, help="flow runs at the same time (default 1; 0: no limit)"
+    )
+    p.add_argument("--no-stages", action="store_true", help="serve only the r1-pipeline deployment")
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    if args.config and not os.path.exists(args.config):
+        raise FileNotFoundError(f"config file {args.config} does not exist")
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        print(
+            "note: PREFECT_API_URL is not set, so the deployments go to a temporary in-process "
+            "Prefect server that no UI can reach. Start one with infra/start-servers.sh and "
+            "`source .grpo-servers/env.sh` (docs/team.md).",
+            file=sys.stderr,
+        )
+    serve_all(
+        cron=args.cron or None,
+        limit=args.limit or None,
+        stages=not args.no_stages,
+        config=os.path.abspath(args.config) if args.config else None,
+        overrides=args.set,
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.deployments [serve options]``: `grpo serve` without the CLI."""
+    parser = argparse.ArgumentParser(prog="python -m flows.deployments")
+    sub = parser.add_subparsers(dest="command")
+    add_serve_parser(sub)
+    args = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
+    logging.basicConfig(level=logging.INFO)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

