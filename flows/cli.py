@@ -16,16 +16,22 @@ import os
 import sys
 from pathlib import Path
 
+# Offline, quiet, local defaults, set before Prefect is imported (it reads them at import);
+# a user's own settings win.
+for _key, _value in {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+
 
 def _environment(output_dir: str = ".") -> None:
-    """Offline, quiet, local defaults; a user's own settings win."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Keep Hugging Face caches beside the run's outputs; quiet transformers' progress bars."""
     os.environ.setdefault("HF_HOME", str(Path(output_dir).resolve() / ".hf_home"))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "grpo_core,tasks,flows")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
