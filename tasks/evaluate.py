@@ -14,6 +14,7 @@ from grpo_core.io import write_parquet
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.rollout import HF_ENGINE
 
 
 def evaluate_checkpoint(
@@ -28,7 +29,7 @@ def evaluate_checkpoint(
 ) -> dict:
     """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config).
     ``engine``: ``{"name", "options", "check_sync"}`` (default hf)."""
-    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
+    engine = engine or HF_ENGINE
     if out_table is None:
         return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
     key = stage_key("eval", {**cfg.model_dump(), "engine": engine["name"]}, [checkpoint, eval_path])

@@ -13,7 +13,7 @@ from grpo_core.rejection import select_completions, to_sft_rows
 from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
 from tasks.common import logger
-from tasks.rollout import sample_rollouts, select_prompts
+from tasks.rollout import HF_ENGINE, sample_rollouts, select_prompts
 from tasks.score import score_file
 from tasks.tracking import Tracking
 
@@ -32,7 +32,7 @@ def rejection_sampling(
 ) -> dict:
     run_id = tracking.start_child("rejection_sampling", {"init_checkpoint": checkpoint})
     tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
-    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
+    engine = engine or HF_ENGINE
     key = stage_key(
         "rejection_sampling",
         {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]},

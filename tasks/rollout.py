@@ -112,6 +112,9 @@ def sample_rollouts(
     }
 
 
+HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default engine spec
+
+
 @task(name="rollout", task_run_name="{stage}-rollout-{iteration}", cache_policy=NO_CACHE)
 def rollout(
     stage: str,
@@ -125,7 +128,7 @@ def rollout(
     force: bool = False,
 ) -> dict:
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
-    engine = engine or {"name": "hf", "options": {}, "check_sync": False}
+    engine = engine or HF_ENGINE
     knobs = {k: rl[k] for k in ROLLOUT_KNOBS}
     key = stage_key(
         "rollout",
