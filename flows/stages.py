@@ -23,7 +23,7 @@ from grpo_core.config import PipelineConfig, load_config
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
-from tasks.score import score
+from tasks.score import SCORE_KNOBS, score
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -85,7 +85,7 @@ def score_flow(
     knobs = cfg.rl.model_dump()
     out = out or str(
         Path(rollouts).with_name(
-            f"scored-{_tag([cfg.rewards, knobs['advantage_estimator'], knobs['scale_rewards']])}.parquet"
+            f"scored-{_tag([cfg.rewards, {k: knobs[k] for k in SCORE_KNOBS}])}.parquet"
         )
     )
     if Path(out).resolve() == Path(rollouts).resolve():

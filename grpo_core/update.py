@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from grpo_core.importance import engine_importance_weights
+from grpo_core.importance import engine_importance_weights, needs_old_logprobs
 from grpo_core.logprobs import token_logprobs
 from grpo_core.losses import policy_loss
 from grpo_core.sampling_filters import mask_truncated_completions, top_entropy_mask
@@ -173,7 +173,7 @@ def grpo_update(
         raise ValueError("engine_correction needs the rollout engine's log-probs (sampling_logp)")
     slices = batch.step_slices(steps_per_generation)
     device = model.device
-    reuse = steps_per_generation > 1 or num_iterations > 1 or engine_correction is not None
+    reuse = needs_old_logprobs(num_iterations, steps_per_generation, engine_correction is not None)
     old_logp = batched_logprobs(model, batch, temperature=temperature) if reuse else None  # [N, T]
     ref_logp = batched_logprobs(ref_model, batch, temperature=temperature) if beta > 0 else None
     is_weights, is_metrics = None, {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-import torch  # noqa: E402  (after prefect: keeps import order stable for ruff)
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
