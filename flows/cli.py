@@ -16,6 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from flows import local_server
+
 # Offline, quiet, local defaults, set before Prefect is imported (it reads them at import);
 # a user's own settings win.
 for _key, _value in {
@@ -30,12 +32,11 @@ for _key, _value in {
 
 
 def _environment(output_dir: str = ".") -> None:
-    """Keep Hugging Face caches beside the run's outputs; quiet transformers' progress bars."""
+    """Keep Hugging Face caches beside the run's outputs; quiet transformers' progress bars
+    and warnings (through the environment, so transformers is imported only when used)."""
     os.environ.setdefault("HF_HOME", str(Path(output_dir).resolve() / ".hf_home"))
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -47,10 +48,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, _overrides(args))
     _environment(cfg.output_dir)
+    server = local_server.start()  # starts while the imports below run
     from flows.r1 import r1_pipeline
     from flows.summary import render_summary
 
-    summary = r1_pipeline(cfg)
+    with local_server.attach(server):
+        summary = r1_pipeline(cfg)
     render_summary(summary)
     return 0
 
@@ -60,17 +63,19 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.set)  # validate before starting Prefect
     _environment(cfg.output_dir)
+    server = local_server.start()
     from flows import stages
 
     common = {"config": args.config, "overrides": args.set}
-    if args.command == "rollout":
-        out = stages.rollout_flow(args.policy, args.data, args.iteration, args.out, **common)
-    elif args.command == "score":
-        out = stages.score_flow(args.rollouts, args.out, **common)
-    elif args.command == "update":
-        out = stages.update_flow(args.scored, args.policy, args.out, **common)
-    else:
-        out = stages.eval_flow(args.checkpoint, args.data, args.out, **common)
+    with local_server.attach(server):
+        if args.command == "rollout":
+            out = stages.rollout_flow(args.policy, args.data, args.iteration, args.out, **common)
+        elif args.command == "score":
+            out = stages.score_flow(args.rollouts, args.out, **common)
+        elif args.command == "update":
+            out = stages.update_flow(args.scored, args.policy, args.out, **common)
+        else:
+            out = stages.eval_flow(args.checkpoint, args.data, args.out, **common)
     print(json.dumps(out, indent=2, default=str))
     return 0
 
@@ -129,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_stage)
 
     from flows.compare import add_compare_parser
-    from flows.deployments import add_serve_parser
+    from flows.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
     add_compare_parser(sub)
@@ -138,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.func not in (cmd_run, cmd_stage):  # flows log through Prefect's handlers
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -59,6 +59,7 @@ def rl_stage(
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
     reused = 0
+    metrics = tracking.pending(run_id)  # cached iterations are logged in one batch
     log.info(
         "%s: %d iterations of %d prompts x %d generations from %s",
         stage,
@@ -94,13 +95,14 @@ def rl_stage(
             total_steps=total_steps,
             force=force,
         )
-        reused += roll["cached"] and scored["cached"] and upd["cached"]
+        it_cached = roll["cached"] and scored["cached"] and upd["cached"]
+        reused += it_cached
         for i, h in enumerate(upd["history"]):
-            tracking.log_metrics(run_id, h, step + i + 1)
+            metrics.add(h, step + i + 1)
         iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
         iter_metrics.update({"iteration": it, "timing/update_s": upd["timing/update_s"]})
         step, policy = upd["global_step"], upd["checkpoint"]
-        tracking.log_metrics(run_id, iter_metrics, step)
+        metrics.add(iter_metrics, step)
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
@@ -120,10 +122,8 @@ def rl_stage(
                     **{k: ev[k] for k in ("accuracy", "format_rate", "mean_length")},
                 }
             )
-            tracking.log_metrics(
-                run_id,
-                {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")},
-                step,
+            metrics.add(
+                {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}, step
             )
             tracking.log_json(
                 run_id, _rollout_sample(scored["path"]), f"samples/iter_{it:04d}.json"
@@ -136,17 +136,18 @@ def rl_stage(
                 ev["accuracy"],
                 scored["reward"],
             )
+        if not it_cached:  # live curves while training; replayed history goes in one call
+            metrics.flush()
     final = ws.checkpoint(stage)
     if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
         with atomic_path(final) as tmp:
             shutil.copytree(policy, tmp)
-    warm.get(final)  # same weights: relabel the warm policy with the stage checkpoint
+    warm.relabel(final)  # same weights as the last iteration's checkpoint
     if reused:
         log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
     wall = time.perf_counter() - t0
-    tracking.log_metrics(
-        run_id, {"wall_time_s": wall, "global_step": step, "cached_iterations": reused}, step
-    )
+    metrics.add({"wall_time_s": wall, "global_step": step, "cached_iterations": reused}, step)
+    metrics.flush()
     tracking.log_json(run_id, evals, "eval_history.json")
     tracking.end(run_id)
     return {

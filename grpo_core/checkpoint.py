@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from typing import TYPE_CHECKING
 
 from grpo_core.io import atomic_path, write_json
+
+if TYPE_CHECKING:  # torch/transformers load on first use: hashing a checkpoint needs neither
+    import torch
+    from transformers import PreTrainedModel
 
 WEIGHTS = "model.safetensors"
 TRAINER_STATE = "trainer_state.pt"
@@ -36,6 +38,8 @@ def save_checkpoint(
     info: dict | None = None,
 ) -> Path:
     """``save_pretrained`` model and tokenizer (safetensors) into ``out_dir`` atomically."""
+    import torch
+
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -65,8 +69,12 @@ def policy_id(ckpt_dir: str | Path) -> str:
     return stamp.read_text().strip() if stamp.exists() else _weights_hash(ckpt_dir)
 
 
-def load_checkpoint(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32):
-    """Load ``(model, tokenizer)`` through the Auto classes, as for any hub model."""
+def load_checkpoint(ckpt_dir: str | Path, *, dtype: torch.dtype | None = None):
+    """Load ``(model, tokenizer)`` through the Auto classes, as for any hub model
+    (``dtype`` default: float32)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").exists():
         raise FileNotFoundError(f"{ckpt_dir} is not a checkpoint: config.json missing")
@@ -74,10 +82,12 @@ def load_checkpoint(ckpt_dir: str | Path, *, dtype: torch.dtype = torch.float32)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype or torch.float32)
     return model, tokenizer
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict | None:
+    import torch
+
     p = Path(ckpt_dir) / TRAINER_STATE
     return torch.load(p, weights_only=False) if p.exists() else None

@@ -10,13 +10,15 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grpo_core.generation import Sample
 from grpo_core.text import decode_completion, prompt_text
+
+if TYPE_CHECKING:
+    from grpo_core.generation import Sample
 
 SCHEMA_VERSION = "1"
 META_KEY = b"grpo_pipeline"

@@ -1,7 +1,9 @@
 """Content-addressed stage cache (DESIGN.md "Stage semantics").
 
 A stage's key is the hash of: its config section, the content hashes of its input files,
-and the code version (a hash of the grpo_core/tasks/flows sources). After a stage writes its
+and the code version (a hash of the grpo_core and tasks sources: the code that computes a
+stage's outputs; flows/ only wires stages together and passes every input explicitly, so
+editing the CLI or the orchestration does not invalidate finished stages). After a stage writes its
 outputs it records ``{key, result}`` in a manifest beside them; a later run with the same key
 whose outputs still exist returns the recorded result instead of recomputing. ``force``
 reruns regardless. Manifests are written atomically, after the outputs.
@@ -18,7 +20,7 @@ from typing import Any
 from grpo_core.checkpoint import file_sha256, policy_id
 from grpo_core.io import write_json
 
-_PACKAGES = ("grpo_core", "tasks", "flows")
+_PACKAGES = ("grpo_core", "tasks")
 
 
 @functools.lru_cache(maxsize=1)

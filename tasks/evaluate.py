@@ -9,7 +9,6 @@ from prefect.cache_policies import NO_CACHE
 
 from grpo_core.config import EvalConfig
 from grpo_core.data import load_rows
-from grpo_core.evaluation import evaluate
 from grpo_core.io import write_parquet
 from tasks import warm
 from tasks.cache import cached, stage_key
@@ -45,6 +44,8 @@ def evaluate_checkpoint(
 def _evaluate(
     checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
 ) -> dict:
+    from grpo_core.evaluation import evaluate
+
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]

@@ -11,7 +11,6 @@ from prefect.cache_policies import NO_CACHE
 from grpo_core.checkpoint import policy_id
 from grpo_core.config import PipelineConfig
 from grpo_core.data import load_rows
-from grpo_core.demo.model import save_base_model
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
 from tasks.common import logger
@@ -44,6 +43,8 @@ def prepare(cfg: PipelineConfig, ws: Workspace) -> dict[str, str]:
     if cfg.model.source == "demo":
         base = ws.checkpoint("base")
         if not (base / "config.json").exists():
+            from grpo_core.demo.model import save_base_model
+
             save_base_model(base, seed=cfg.seed, **cfg.model.demo.model_dump())
         out["base"] = str(base)
     else:

@@ -11,7 +11,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.data import load_rows
-from grpo_core.generation import SamplingParams
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
 from grpo_core.text import encode_prompt
@@ -62,6 +61,8 @@ def sample_rollouts(
 ) -> dict:
     """Generate with ``engine`` (kept warm, weights synced in memory) and write the rollout
     Parquet; returns path and generation metrics."""
+    from grpo_core.generation import SamplingParams
+
     w = warm.get(policy_checkpoint)
     tok = w.tokenizer
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in rows]

@@ -6,15 +6,12 @@ row (``error_<fn>``) and scoring goes on.
 
 from __future__ import annotations
 
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core import advantages, rewards
-from grpo_core.advantages import compute_multi, weighted_reward_sum
+from grpo_core import rewards
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
-from grpo_core.sampling_filters import overlong_penalty
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 
@@ -37,6 +34,12 @@ def score_file(
     penalty when ``overlong_buffer_length`` is set); advantages come from that sum, or from
     GDPO's per-reward normalisation when ``multi_objective_aggregation`` says so.
     """
+    import torch  # here, not at the top: a cached rerun never loads torch
+
+    from grpo_core import advantages
+    from grpo_core.advantages import compute_multi, weighted_reward_sum
+    from grpo_core.sampling_filters import overlong_penalty
+
     with timer() as t:
         table = read_rollouts(rollouts_path)
         cols = table.to_pydict()

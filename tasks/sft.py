@@ -12,8 +12,6 @@ from prefect.cache_policies import NO_CACHE
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import SFTConfig
 from grpo_core.data import load_rows
-from grpo_core.evaluation import evaluate
-from grpo_core.sft import train_sft
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
@@ -33,6 +31,9 @@ def train_stage(
     on_step=None,
 ) -> dict:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary."""
+    from grpo_core.evaluation import evaluate  # torch: only when the stage really trains
+    from grpo_core.sft import train_sft
+
     log = logger(__name__)
     rows = load_rows(data_path, required=("prompt", "completion"))
     w = warm.get(init_checkpoint, mutate=True)

@@ -12,7 +12,7 @@ import os
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -71,14 +71,14 @@ class Tracking:
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        ts = int(time.time() * 1000)
-        batch = [
-            Metric(k, float(v), ts, step)
-            for k, v in metrics.items()
-            if isinstance(v, int | float) and math.isfinite(float(v))
-        ]
-        for i in range(0, len(batch), 900):
+        self.log_metric_batch(run_id, metric_batch(metrics, step))
+
+    def log_metric_batch(self, run_id: str, batch: list[Metric]) -> None:
+        for i in range(0, len(batch), 900):  # MLflow takes at most 1000 metrics per call
             self.client.log_batch(run_id, metrics=batch[i : i + 900])
+
+    def pending(self, run_id: str) -> PendingMetrics:
+        return PendingMetrics(self, run_id)
 
     def log_params(self, run_id: str, params: dict) -> None:
         flat = [Param(k, str(v)[:6000]) for k, v in _flatten(params).items()]
@@ -105,6 +105,34 @@ class Tracking:
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status)
+
+
+def metric_batch(metrics: dict[str, float], step: int) -> list[Metric]:
+    """MLflow metrics at ``step``; non-numeric and non-finite values are left out."""
+    ts = int(time.time() * 1000)
+    return [
+        Metric(k, float(v), ts, step)
+        for k, v in metrics.items()
+        if isinstance(v, int | float) and math.isfinite(float(v))
+    ]
+
+
+@dataclass
+class PendingMetrics:
+    """Metrics gathered for one run and sent in one ``log_batch`` call by :meth:`flush`
+    (a cached RL iteration replays ~6 logging calls; 45 of them cost seconds on sqlite)."""
+
+    tracking: Tracking
+    run_id: str
+    batch: list[Metric] = field(default_factory=list)
+
+    def add(self, metrics: dict[str, float], step: int = 0) -> None:
+        self.batch.extend(metric_batch(metrics, step))
+
+    def flush(self) -> None:
+        if self.batch:
+            self.tracking.log_metric_batch(self.run_id, self.batch)
+            self.batch = []
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.rollouts import group_ids, read_scored
-from grpo_core.sampling_filters import dynamic_sampling_mask
-from grpo_core.sft import lr_lambda
-from grpo_core.update import build_batch, grpo_update
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
@@ -31,6 +27,12 @@ def update_from_file(
     total_steps: int | None = None,
     on_step=None,
 ) -> dict:
+    import torch  # here, not at the top: a cached rerun never loads torch
+
+    from grpo_core.sampling_filters import dynamic_sampling_mask
+    from grpo_core.sft import lr_lambda
+    from grpo_core.update import build_batch, grpo_update
+
     table = read_scored(scored_path)
     cols = table.select(
         [

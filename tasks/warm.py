@@ -11,11 +11,13 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from grpo_core.checkpoint import load_checkpoint, load_trainer_state, policy_id
 from grpo_core.engines import WarmEngines
+
+if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
+    import torch
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -76,6 +78,8 @@ def optimizer_for(
     warm: WarmPolicy, *, learning_rate: float, weight_decay: float
 ) -> torch.optim.Optimizer:
     """AdamW for the warm model; kept across RL iterations, restored from trainer state."""
+    import torch
+
     key = (learning_rate, weight_decay)
     if warm.optimizer is None or warm.optimizer_key != key:
         opt = torch.optim.AdamW(
@@ -86,6 +90,16 @@ def optimizer_for(
             opt.load_state_dict(state["optimizer"])
         warm.optimizer, warm.optimizer_key = opt, key
     return warm.optimizer
+
+
+def relabel(checkpoint: str | Path, slot: str = "policy") -> None:
+    """Name ``checkpoint`` as the source of the warm model when it holds the same weights
+    (a copy of the checkpoint it came from); loads nothing when no model is warm."""
+    checkpoint = Path(checkpoint)
+    with _LOCK:
+        warm = _WARM.get(slot)
+        if warm is not None and warm.policy_id == policy_id(checkpoint):
+            warm.checkpoint = checkpoint
 
 
 def clear() -> None:

@@ -23,12 +23,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
-
-from grpo_core.generation import Sample, SamplingParams, generate
 from grpo_core.registry import Registry
+
+if TYPE_CHECKING:  # torch and generation load on first use: `grpo` cached reruns skip them
+    import torch
+
+    from grpo_core.generation import Sample, SamplingParams
 
 
 @runtime_checkable
@@ -131,6 +133,8 @@ def probe_sync(
     Exact equality holds when both run in the same dtype; a bf16 engine against an fp32
     trainer can part ways at a near-tie, so compare at the engine's dtype there.
     """
+    from grpo_core.generation import SamplingParams, generate
+
     if probe_ids is None:
         probe_ids = default_probe(tokenizer)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
@@ -246,6 +250,15 @@ class WarmEngines:
             for engine, _ in self._slots.values():
                 engine.close()
             self._slots.clear()
+
+
+def __getattr__(name: str):
+    """``Sample`` and ``SamplingParams`` re-exported from grpo_core.generation on access."""
+    if name in ("Sample", "SamplingParams"):
+        from grpo_core import generation
+
+        return getattr(generation, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
