@@ -10,6 +10,8 @@ grpo serve                                             (deployments for the Pref
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import json
 import logging
 import os
@@ -51,7 +53,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     server = local_server.start()  # starts while the imports below run
     from flows.r1 import r1_pipeline
     from flows.summary import render_summary
+    from tasks.tracking import Tracking
 
+    # Open the MLflow store while the Prefect server is still starting: the first open of a
+    # sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.
+    Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
     with local_server.attach(server):
         summary = r1_pipeline(cfg)
     render_summary(summary)
@@ -142,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Registered first, so it runs last at exit: moves every object to the permanent GC
+    # generation so that interpreter shutdown skips a full cyclic collection over the
+    # million objects prefect/mlflow/torch leave (~0.9 s of a cached rerun's ~15 s).
+    atexit.register(gc.freeze)
     args = build_parser().parse_args(argv)
     if args.func not in (cmd_run, cmd_stage):  # flows log through Prefect's handlers
         logging.basicConfig(
