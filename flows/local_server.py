@@ -109,8 +109,8 @@ class LocalServer:
         )
 
     def wait(self, timeout: float) -> None:
-        """Block until ``/health`` answers 200; restart once on another port if the first
-        one was taken meanwhile (uvicorn exits with 3 then, as Prefect handles it)."""
+        """Block until ``/health`` answers 200; start again on another port if the port was
+        taken meanwhile (uvicorn exits with 3 then; Prefect's own server does the same)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             code = self.process.poll() if self.process else None
