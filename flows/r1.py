@@ -25,7 +25,7 @@ from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
 from tasks.sft import sft_stage
-from tasks.tracking import Tracking
+from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
 
 STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
@@ -40,8 +40,11 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
 
         torch.set_num_threads(cfg.torch_threads)
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
+    # settings that change results; where outputs and logs go, and what to force, do not
+    settings = cfg.model_dump(exclude={"run_name", "output_dir", "tracking", "force"})
     tracking = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment).start_parent(
-        cfg.run_name, {"pipeline": "r1", "seed": str(cfg.seed)}
+        cfg.run_name,
+        {"pipeline": "r1", "seed": str(cfg.seed), "config_hash": config_hash(settings)},
     )
     parent = tracking.parent_run_id
     tracking.log_params(parent, cfg.model_dump())
@@ -138,7 +141,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
 
     # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
     t0 = time.perf_counter()
-    eval_run = tracking.start_child("final_evaluation")
+    eval_run = tracking.start_child("final_evaluation", config=cfg.eval.model_dump())
     results: dict[str, dict] = {}
     stage_runs = {
         "cold_start_sft": sft["run_id"],
@@ -210,6 +213,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         summary["registered_model"] = f"{mv.name}/{mv.version}"
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
+    tracking.set_tags(parent, {"policy_id": results["rl_2"]["policy_id"]})
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
     tracking.log_json(parent, summary, "summary.json")
     tracking.end(parent)

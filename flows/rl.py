@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import dataclass
 
 from prefect import flow
 
@@ -23,7 +24,7 @@ from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.tracking import Tracking
+from tasks.tracking import PendingMetrics, Tracking
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -47,7 +48,8 @@ def rl_stage(
     force: bool = False,
 ) -> dict:
     log = logger(__name__)
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
+    config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
     tracking.log_params(run_id, {**rl.model_dump(), "rewards": weights})
     tracking.log_json(
         run_id,
@@ -68,7 +70,11 @@ def rl_stage(
         rl.num_generations,
         init_checkpoint,
     )
+    group: IterationGroup | None = None
     for it in range(rl.iterations):
+        if it % rl.eval_every == 0:
+            last_it = min(it + rl.eval_every, rl.iterations) - 1
+            group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
         roll = rollout(
             stage,
             it,
@@ -97,12 +103,15 @@ def rl_stage(
         )
         it_cached = roll["cached"] and scored["cached"] and upd["cached"]
         reused += it_cached
+        group.cached &= bool(it_cached)
         for i, h in enumerate(upd["history"]):
             metrics.add(h, step + i + 1)
+            group.metrics.add(h, step + i + 1)
         iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
         iter_metrics.update({"iteration": it, "timing/update_s": upd["timing/update_s"]})
         step, policy = upd["global_step"], upd["checkpoint"]
         metrics.add(iter_metrics, step)
+        group.metrics.add(iter_metrics, step)
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
@@ -122,9 +131,10 @@ def rl_stage(
                     **{k: ev[k] for k in ("accuracy", "format_rate", "mean_length")},
                 }
             )
-            metrics.add(
-                {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}, step
-            )
+            eval_metrics = {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}
+            metrics.add(eval_metrics, step)
+            group.metrics.add(eval_metrics, step)
+            group.end(policy_id(policy))
             tracking.log_json(
                 run_id, _rollout_sample(scored["path"]), f"samples/iter_{it:04d}.json"
             )
@@ -143,11 +153,12 @@ def rl_stage(
         with atomic_path(final) as tmp:
             shutil.copytree(policy, tmp)
     warm.relabel(final)  # same weights as the last iteration's checkpoint
+    stage_tags = {"policy_id": policy_id(final), "cached": str(reused == rl.iterations).lower()}
     if reused:
         log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
     wall = time.perf_counter() - t0
     metrics.add({"wall_time_s": wall, "global_step": step, "cached_iterations": reused}, step)
-    metrics.flush()
+    metrics.flush(tags=stage_tags)
     tracking.log_json(run_id, evals, "eval_history.json")
     tracking.end(run_id)
     return {
@@ -158,6 +169,34 @@ def rl_stage(
         "evals": evals,
         "cached_iterations": reused,
     }
+
+
+@dataclass
+class IterationGroup:
+    """A run nested under the RL stage's run for iterations ``first..last`` (one eval
+    block): its metrics, the eval at its end, and tags ``iterations``, ``policy_id`` (the
+    block's last checkpoint), ``config_hash`` and ``cached``, so MLflow's compare view and
+    ``search_runs`` can set blocks of one stage, or of different runs, side by side."""
+
+    tracking: Tracking
+    run_id: str
+    metrics: PendingMetrics
+    cached: bool = True
+
+    @classmethod
+    def start(cls, tracking, stage_run_id, stage, first, last, config) -> IterationGroup:
+        run_id = tracking.start_child(
+            stage,
+            {"iterations": f"{first}-{last}"},
+            config=config,
+            parent_run_id=stage_run_id,
+            run_name=f"{stage}/iter_{first:04d}-{last:04d}",
+        )
+        return cls(tracking, run_id, tracking.pending(run_id))
+
+    def end(self, policy: str) -> None:
+        self.metrics.flush(tags={"policy_id": policy, "cached": str(self.cached).lower()})
+        self.tracking.end(self.run_id)
 
 
 def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from grpo_core.checkpoint import policy_id
 from grpo_core.config import RejectionConfig
 from grpo_core.data import load_rows
 from grpo_core.io import write_jsonl
@@ -30,14 +31,15 @@ def rejection_sampling(
     force: bool = False,
     engine: dict | None = None,
 ) -> dict:
-    run_id = tracking.start_child("rejection_sampling", {"init_checkpoint": checkpoint})
-    tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
     engine = engine or HF_ENGINE
-    key = stage_key(
+    settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
+    run_id = tracking.start_child(
         "rejection_sampling",
-        {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]},
-        [checkpoint, rl_path],
+        {"init_checkpoint": checkpoint, "policy_id": policy_id(checkpoint)},
+        config=settings,
     )
+    tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
+    key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
     sft_path = f"{stage_dir}/sft.jsonl"
     out = cached(
         "rejection_sampling",

@@ -107,8 +107,8 @@ def sft_stage(
     seed: int = 0,
     force: bool = False,
 ) -> dict:
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint})
     settings = {**cfg.model_dump(), "max_completion_length": max_completion_length, "seed": seed}
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=settings)
     tracking.log_params(run_id, cfg.model_dump())
     tracking.log_json(
         run_id,

@@ -6,6 +6,7 @@ task can log to its run from whichever Prefect worker thread runs it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -18,8 +19,15 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 import mlflow  # noqa: E402
-from mlflow.entities import Metric, Param  # noqa: E402
+from mlflow.entities import Metric, Param, RunTag  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
+
+
+def config_hash(config) -> str:
+    """Short stable hash of a config section: the ``config_hash`` tag, so runs with the same
+    settings can be found and grouped (``tags.config_hash = '...'``)."""
+    blob = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def git_commit() -> str:
@@ -63,11 +71,24 @@ class Tracking:
         )
         return Tracking(self.uri, self.experiment_id, run.info.run_id)
 
-    def start_child(self, stage: str, tags: dict[str, str] | None = None) -> str:
+    def start_child(
+        self,
+        stage: str,
+        tags: dict[str, str] | None = None,
+        *,
+        config=None,
+        parent_run_id: str | None = None,
+        run_name: str | None = None,
+    ) -> str:
+        """A run nested under the pipeline's parent run (or under ``parent_run_id``), tagged
+        with its ``stage``, ``git_commit`` and, given its ``config``, ``config_hash``."""
         all_tags = {"stage": stage, "git_commit": git_commit(), **(tags or {})}
-        if self.parent_run_id:
-            all_tags["mlflow.parentRunId"] = self.parent_run_id
-        run = self.client.create_run(self.experiment_id, run_name=stage, tags=all_tags)
+        if config is not None:
+            all_tags["config_hash"] = config_hash(config)
+        parent = parent_run_id or self.parent_run_id
+        if parent:
+            all_tags["mlflow.parentRunId"] = parent
+        run = self.client.create_run(self.experiment_id, run_name=run_name or stage, tags=all_tags)
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
@@ -86,8 +107,7 @@ class Tracking:
             self.client.log_batch(run_id, params=flat[i : i + 90])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self.client.set_tag(run_id, k, str(v))
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
@@ -129,10 +149,17 @@ class PendingMetrics:
     def add(self, metrics: dict[str, float], step: int = 0) -> None:
         self.batch.extend(metric_batch(metrics, step))
 
-    def flush(self) -> None:
-        if self.batch:
+    def flush(self, tags: dict[str, str] | None = None) -> None:
+        """Send the gathered metrics (and ``tags``) in one call."""
+        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        if len(self.batch) <= 900:
+            if self.batch or run_tags:
+                self.tracking.client.log_batch(self.run_id, metrics=self.batch, tags=run_tags)
+        else:
             self.tracking.log_metric_batch(self.run_id, self.batch)
-            self.batch = []
+            if run_tags:
+                self.tracking.client.log_batch(self.run_id, tags=run_tags)
+        self.batch = []
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:

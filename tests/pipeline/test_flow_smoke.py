@@ -49,6 +49,29 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
         assert m in rl1.data.metrics, m
     assert len(client.get_metric_history(rl1.info.run_id, "loss")) == 4  # 2 iterations x 2 steps
     assert rl1.data.params["loss_type"] == "dapo"
+
+    # tags for MLflow's compare view and search_runs filters
+    assert parent.data.tags["config_hash"] and parent.data.tags["policy_id"]
+    assert all(r.data.tags.get("config_hash") for r in children)
+    for stage in (*STAGES, "rejection_sampling"):
+        assert by_stage[stage].data.tags["policy_id"], stage
+    assert parent.data.tags["policy_id"] == by_stage["rl_2"].data.tags["policy_id"]
+    assert by_stage["rl_1"].data.tags["config_hash"] != by_stage["rl_2"].data.tags["config_hash"]
+    # one nested run per RL iteration group (eval_every=1 here: one iteration each)
+    groups = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{rl1.info.run_id}'"
+    )
+    assert sorted(g.data.tags["iterations"] for g in groups) == ["0-0", "1-1"]
+    for g in groups:
+        assert g.data.tags["stage"] == "rl_1" and g.data.tags["cached"] == "false"
+        assert {"eval/accuracy", "reward", "loss"} <= set(g.data.metrics)
+        assert g.data.tags["config_hash"] == rl1.data.tags["config_hash"]
+    same_settings = client.search_runs(
+        [parent.info.experiment_id], f"tags.config_hash = '{rl1.data.tags['config_hash']}'"
+    )
+    assert {r.info.run_id for r in same_settings} == {rl1.info.run_id} | {
+        g.info.run_id for g in groups
+    }
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"config.yaml", "summary.json"} <= artifacts
     assert any(
