@@ -10,9 +10,10 @@ default (no reference model, as DAPO and TRL's default), constant learning rate.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefect import flow
 
@@ -24,7 +25,7 @@ from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.tracking import PendingMetrics, Tracking
+from tasks.tracking import Tracking
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -106,12 +107,12 @@ def rl_stage(
         group.cached &= bool(it_cached)
         for i, h in enumerate(upd["history"]):
             metrics.add(h, step + i + 1)
-            group.metrics.add(h, step + i + 1)
+            group.add(h)
         iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
         iter_metrics.update({"iteration": it, "timing/update_s": upd["timing/update_s"]})
         step, policy = upd["global_step"], upd["checkpoint"]
         metrics.add(iter_metrics, step)
-        group.metrics.add(iter_metrics, step)
+        group.add(iter_metrics)
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
@@ -133,8 +134,7 @@ def rl_stage(
             )
             eval_metrics = {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}
             metrics.add(eval_metrics, step)
-            group.metrics.add(eval_metrics, step)
-            group.end(policy_id(policy))
+            group.end(step, eval_metrics, policy_id(policy))
             tracking.log_json(
                 run_id, _rollout_sample(scored["path"]), f"samples/iter_{it:04d}.json"
             )
@@ -174,14 +174,20 @@ def rl_stage(
 @dataclass
 class IterationGroup:
     """A run nested under the RL stage's run for iterations ``first..last`` (one eval
-    block): its metrics, the eval at its end, and tags ``iterations``, ``policy_id`` (the
-    block's last checkpoint), ``config_hash`` and ``cached``, so MLflow's compare view and
-    ``search_runs`` can set blocks of one stage, or of different runs, side by side."""
+    block): the block's mean of every per-step and per-iteration metric, the eval at its
+    end, and tags ``iterations``, ``policy_id`` (the block's last checkpoint), ``config_hash``
+    and ``cached``, so MLflow's compare view and ``search_runs`` can set blocks of one stage,
+    or of different runs, side by side. (The full curves stay on the stage run.)"""
 
     tracking: Tracking
     run_id: str
-    metrics: PendingMetrics
+    values: dict[str, list[float]] = field(default_factory=dict)
     cached: bool = True
+
+    def add(self, metrics: dict) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
+                self.values.setdefault(k, []).append(float(v))
 
     @classmethod
     def start(cls, tracking, stage_run_id, stage, first, last, config) -> IterationGroup:
@@ -192,10 +198,13 @@ class IterationGroup:
             parent_run_id=stage_run_id,
             run_name=f"{stage}/iter_{first:04d}-{last:04d}",
         )
-        return cls(tracking, run_id, tracking.pending(run_id))
+        return cls(tracking, run_id)
 
-    def end(self, policy: str) -> None:
-        self.metrics.flush(tags={"policy_id": policy, "cached": str(self.cached).lower()})
+    def end(self, step: int, eval_metrics: dict, policy: str) -> None:
+        means = {k: math.fsum(v) / len(v) for k, v in self.values.items() if k != "iteration"}
+        batch = self.tracking.pending(self.run_id)
+        batch.add({**means, **eval_metrics}, step)
+        batch.flush(tags={"policy_id": policy, "cached": str(self.cached).lower()})
         self.tracking.end(self.run_id)
 
 

@@ -1,12 +1,12 @@
 """Content-addressed stage cache (DESIGN.md "Stage semantics").
 
 A stage's key is the hash of: its config section, the content hashes of its input files,
-and the code version (a hash of the grpo_core and tasks sources: the code that computes a
+and the code version (a hash of the grpo_core and tasks sources, the code that computes a
 stage's outputs; flows/ only wires stages together and passes every input explicitly, so
-editing the CLI or the orchestration does not invalidate finished stages). After a stage writes its
-outputs it records ``{key, result}`` in a manifest beside them; a later run with the same key
-whose outputs still exist returns the recorded result instead of recomputing. ``force``
-reruns regardless. Manifests are written atomically, after the outputs.
+editing the CLI or the orchestration does not invalidate finished stages). After a stage
+writes its outputs it records ``{key, result}`` in a manifest beside them; a later run with
+the same key whose outputs still exist returns the recorded result instead of recomputing.
+``force`` reruns regardless. Manifests are written atomically, after the outputs.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ task can log to its run from whichever Prefect worker thread runs it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -30,6 +31,7 @@ def config_hash(config) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     try:
         out = subprocess.run(
