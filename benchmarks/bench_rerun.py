@@ -27,16 +27,13 @@ REWARDS = "rewards={accuracy: 1.0, format: 0.2}"  # demo default: {accuracy: 1.0
 def grpo_run(workdir: Path, sets: list[str], log: Path) -> tuple[float, str]:
     cmd = [sys.executable, "-m", "flows.cli", "run", *[a for s in sets for a in ("--set", s)]]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=_env(), check=False)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
     log.write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         sys.exit(f"grpo run failed (rc {proc.returncode}); log: {log}")
     return wall, proc.stdout + proc.stderr
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def reused(log: str) -> str:

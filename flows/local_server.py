@@ -133,7 +133,7 @@ class LocalServer:
             " (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)"
         )
 
-    def _count_task_runs(self) -> int | None:
+    def _finished_task_runs(self) -> int | None:
         req = urllib.request.Request(
             f"{self.api_url}/task_runs/count",
             data=_FINISHED_TASK_RUNS,
@@ -151,10 +151,10 @@ class LocalServer:
         finished task runs stops moving for ``quiet_s``, one recorder flush interval), so
         stopping it loses no run history; what is left in its queue is flushed at shutdown."""
         deadline = time.monotonic() + timeout
-        last, since = self._count_task_runs(), time.monotonic()
+        last, since = self._finished_task_runs(), time.monotonic()
         while last is not None and time.monotonic() < deadline:
             time.sleep(0.1)
-            now = self._count_task_runs()
+            now = self._finished_task_runs()
             if now != last:
                 last, since = now, time.monotonic()
             elif time.monotonic() - since >= quiet_s:

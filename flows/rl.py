@@ -25,7 +25,7 @@ from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.tracking import Tracking
+from tasks.tracking import Tracking, metric_batch
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -49,15 +49,15 @@ def rl_stage(
     force: bool = False,
 ) -> dict:
     log = logger(__name__)
-    config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
+    knobs = rl.model_dump()
+    config = {**knobs, "rewards": weights, "seed": seed, "engine": engine}
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
-    tracking.log_params(run_id, {**rl.model_dump(), "rewards": weights})
+    tracking.log_params(run_id, {**knobs, "rewards": weights})
     tracking.log_json(
         run_id,
-        {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **rl.model_dump()},
+        {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},
         "stage_config.json",
     )
-    knobs = rl.model_dump()
     total_steps = rl.iterations * rl.steps_per_generation * rl.num_iterations
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
@@ -202,9 +202,11 @@ class IterationGroup:
 
     def end(self, step: int, eval_metrics: dict, policy: str) -> None:
         means = {k: math.fsum(v) / len(v) for k, v in self.values.items() if k != "iteration"}
-        batch = self.tracking.pending(self.run_id)
-        batch.add({**means, **eval_metrics}, step)
-        batch.flush(tags={"policy_id": policy, "cached": str(self.cached).lower()})
+        self.tracking.log_metric_batch(
+            self.run_id,
+            metric_batch({**means, **eval_metrics}, step),
+            {"policy_id": policy, "cached": str(self.cached).lower()},
+        )
         self.tracking.end(self.run_id)
 
 

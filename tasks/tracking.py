@@ -96,9 +96,16 @@ class Tracking:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         self.log_metric_batch(run_id, metric_batch(metrics, step))
 
-    def log_metric_batch(self, run_id: str, batch: list[Metric]) -> None:
-        for i in range(0, len(batch), 900):  # MLflow takes at most 1000 metrics per call
-            self.client.log_batch(run_id, metrics=batch[i : i + 900])
+    def log_metric_batch(
+        self, run_id: str, batch: list[Metric], tags: dict[str, str] | None = None
+    ) -> None:
+        """``batch`` (and ``tags``, with the first chunk) in as few ``log_batch`` calls as
+        MLflow allows: at most 1000 metrics per call."""
+        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        for i in range(0, max(len(batch), 1 if run_tags else 0), 900):
+            self.client.log_batch(
+                run_id, metrics=batch[i : i + 900], tags=run_tags if i == 0 else []
+            )
 
     def pending(self, run_id: str) -> PendingMetrics:
         return PendingMetrics(self, run_id)
@@ -109,7 +116,7 @@ class Tracking:
             self.client.log_batch(run_id, params=flat[i : i + 90])
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        self.log_metric_batch(run_id, [], tags)
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
@@ -153,14 +160,7 @@ class PendingMetrics:
 
     def flush(self, tags: dict[str, str] | None = None) -> None:
         """Send the gathered metrics (and ``tags``) in one call."""
-        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
-        if len(self.batch) <= 900:
-            if self.batch or run_tags:
-                self.tracking.client.log_batch(self.run_id, metrics=self.batch, tags=run_tags)
-        else:
-            self.tracking.log_metric_batch(self.run_id, self.batch)
-            if run_tags:
-                self.tracking.client.log_batch(self.run_id, tags=run_tags)
+        self.tracking.log_metric_batch(self.run_id, self.batch, tags)
         self.batch = []
 
 
