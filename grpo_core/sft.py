@@ -8,7 +8,6 @@ stage starts inside the band where groups have reward variance.
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from grpo_core.schedule import lr_lambda
 from grpo_core.text import encode_completion, encode_prompt
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,6 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
         attn[i, : len(seq)] = 1
         labels[i, len(p) : len(seq)] = torch.tensor(c)
     return ids, attn, labels
-
-
-def lr_lambda(warmup: int, total: int, kind: str = "constant") -> Callable[[int], float]:
-    def f(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        if kind == "constant" or total <= warmup:
-            return 1.0
-        frac = (step - warmup) / max(1, total - warmup)
-        return max(0.0, 1 - frac) if kind == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
-
-    return f
 
 
 def train_sft(

@@ -30,7 +30,7 @@ def update_from_file(
     import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core.sampling_filters import dynamic_sampling_mask
-    from grpo_core.sft import lr_lambda
+    from grpo_core.schedule import lr_lambda
     from grpo_core.update import build_batch, grpo_update
 
     table = read_scored(scored_path)
