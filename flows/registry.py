@@ -1,22 +1,59 @@
 """Register a pipeline's final checkpoint in the MLflow model registry.
 
-The registered artifact is the plain ``save_pretrained`` directory (config.json,
-model.safetensors, tokenizer files, policy_id.txt), logged under the parent run's
-``final_checkpoint/`` artifacts: ``mlflow artifacts download`` (or the model version's
-source URI) gives back a folder that ``AutoModelForCausalLM.from_pretrained`` and vLLM load
-as is; no MLflow flavor wrapper. Stage metrics go to the version's tags and description.
+The registered artifact is the part of the final checkpoint that ``from_pretrained`` reads
+(config.json, generation_config.json, ``*.safetensors`` weights and their index, tokenizer
+files, chat template), logged under the parent run's ``final_checkpoint/`` artifacts:
+``mlflow artifacts download`` (or the model version's source URI) gives back a folder that
+``AutoModelForCausalLM.from_pretrained`` and vLLM load as is; no MLflow flavor wrapper.
+Files are chosen by an allow-list: what else a checkpoint holds (``trainer_state.pt`` with
+the optimizer state, ``policy_id.txt``, ``checkpoint_info.json``, anything added later) stays
+out. The policy id becomes a version tag. Stage metrics go to the version's tags and
+description.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
+
+from grpo_core.checkpoint import POLICY_ID
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 ARTIFACT_PATH = "final_checkpoint"
-# Trainer state (optimizer, RNG) is for resuming a stage, not for serving the model.
-_SKIP = {"trainer_state", "optimizer.pt", "scheduler.pt", "rng_state.pth"}
+# What ``from_pretrained`` (model, tokenizer, generation config) reads from a directory.
+# Everything else a checkpoint holds (trainer_state.pt: optimizer, scheduler and RNG state
+# for resuming a stage; policy_id.txt; checkpoint_info.json) is not part of the model.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+MODEL_DIRS = ("additional_chat_templates",)  # extra named chat templates (*.jinja)
+
+
+def model_files(checkpoint_dir: Path) -> list[Path]:
+    """The files and folders of ``checkpoint_dir`` that ``from_pretrained`` needs."""
+    out = []
+    for item in sorted(checkpoint_dir.iterdir()):
+        if item.is_dir():
+            if item.name in MODEL_DIRS:
+                out.append(item)
+        elif any(fnmatch.fnmatchcase(item.name, pattern) for pattern in MODEL_FILES):
+            out.append(item)
+    return out
 
 
 def _flatten(stage_metrics: dict) -> dict[str, float]:
@@ -56,9 +93,7 @@ def _describe(run_name: str, flat: dict[str, float]) -> str:
 
 
 def _log_checkpoint(client, run_id: str, checkpoint_dir: Path) -> None:
-    for item in sorted(checkpoint_dir.iterdir()):
-        if item.name in _SKIP or item.name.startswith("."):
-            continue
+    for item in model_files(checkpoint_dir):
         if item.is_dir():
             client.log_artifacts(run_id, str(item), f"{ARTIFACT_PATH}/{item.name}")
         else:
@@ -73,7 +108,8 @@ def register_final_checkpoint(
     model_name: str | None = None,
     final_stage: str | None = None,
 ):
-    """Log ``checkpoint_dir`` as artifacts of the parent run and register a model version.
+    """Log the model files of ``checkpoint_dir`` (:data:`MODEL_FILES`) as artifacts of the
+    parent run and register a model version.
 
     Args:
         stage_metrics: per-stage eval metrics, ``{stage: {"accuracy": ..., ...}}`` or flat
@@ -92,6 +128,8 @@ def register_final_checkpoint(
         raise FileNotFoundError(
             f"{checkpoint_dir} is not a save_pretrained directory (no config.json)"
         )
+    if not any(checkpoint_dir.glob("*.safetensors")):
+        raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors weights to register")
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     run = client.get_run(parent_run_id)
     name = model_name or client.get_experiment(run.info.experiment_id).name
@@ -109,7 +147,7 @@ def register_final_checkpoint(
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    policy_file = checkpoint_dir / "policy_id.txt"
+    policy_file = checkpoint_dir / POLICY_ID
     tags = {
         "pipeline_run_id": parent_run_id,
         "run_name": run.info.run_name or "",
