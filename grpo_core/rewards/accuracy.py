@@ -112,8 +112,13 @@ def _normalise(s: str) -> str:
     return s
 
 
-def answers_match(pred: str, gold: str) -> bool | None:
-    """``True``/``False``, or ``None`` when the gold cannot be interpreted at all."""
+def answers_match(pred: str, gold: str) -> bool:
+    """Whether ``pred`` matches ``gold`` (rules 1-3 of the module docstring).
+
+    Always ``True`` or ``False``: a gold that no rule can interpret still compares as a plain
+    string. A missing or unusable gold is caught earlier, by :func:`gold_text` in ``_score``,
+    which then returns ``None``.
+    """
     p, g = _normalise(pred), _normalise(gold)
     if p == g:
         return True
