@@ -21,6 +21,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout
+
+from flows.config import STAGE_NAMES  # noqa: E402
+
 REWARDS = "rewards={accuracy: 1.0, format: 0.2}"  # demo default: {accuracy: 1.0, format: 0.1}
 
 
@@ -39,7 +43,7 @@ def grpo_run(workdir: Path, sets: list[str], log: Path) -> tuple[float, str]:
 def reused(log: str) -> str:
     """What the run's log says it reused ("<label>: inputs unchanged ...")."""
     labels = re.findall(r" - ([^|]+?): inputs unchanged", log)
-    parts = [x for x in labels if x in ("cold_start_sft", "rejection_sampling", "re_sft")]
+    parts = [x for x in labels if x in STAGE_NAMES]  # whole stages (RL reuses per iteration)
     for stage, a, b in re.findall(r"(rl_\d): (\d+) of (\d+) iterations reused", log):
         parts.append(f"{stage} {a}/{b} iterations")
     steps = [x for x in labels if re.fullmatch(r"rl_\d iteration \d+ \w+", x)]

@@ -14,31 +14,14 @@ import atexit
 import gc
 import json
 import logging
-import os
 import sys
-from pathlib import Path
 
 from flows import local_server
+from flows.env import apply_defaults
 
 # Offline, quiet, local defaults, set before Prefect is imported (it reads them at import);
 # a user's own settings win.
-for _key, _value in {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows",
-    "MLFLOW_DISABLE_TELEMETRY": "true",
-    "HF_HUB_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
-
-
-def _environment(output_dir: str = ".") -> None:
-    """Keep Hugging Face caches beside the run's outputs; quiet transformers' progress bars
-    and warnings (through the environment, so transformers is imported only when used)."""
-    os.environ.setdefault("HF_HOME", str(Path(output_dir).resolve() / ".hf_home"))
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+apply_defaults()
 
 
 def _overrides(args: argparse.Namespace) -> list[str]:
@@ -46,10 +29,10 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from grpo_core.config import load_config
+    from flows.config import load_config
 
     cfg = load_config(args.config, _overrides(args))
-    _environment(cfg.output_dir)
+    apply_defaults(cfg.output_dir)
     server = local_server.start()  # starts while the imports below run
     from flows.r1 import r1_pipeline
     from flows.summary import render_summary
@@ -65,10 +48,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from grpo_core.config import load_config
+    from flows.config import load_config
 
     cfg = load_config(args.config, args.set)  # validate before starting Prefect
-    _environment(cfg.output_dir)
+    apply_defaults(cfg.output_dir)
     server = local_server.start()
     from flows import stages
 

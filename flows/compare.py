@@ -16,9 +16,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-STAGE_ORDER = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
 EVAL_METRICS = ("accuracy", "format_rate", "mean_length")
 PIPELINE_FILTER = "tags.pipeline = 'r1'"
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -104,6 +101,8 @@ def _reward_curve(client, run_id: str) -> list[float]:
 
 
 def load_pipeline_run(client, run) -> PipelineRun:
+    from flows.config import CHECKPOINT_STAGES
+
     metrics = run.data.metrics
     names = {k.split("/eval/")[0] for k in metrics if "/eval/" in k}
     children = client.search_runs(
@@ -116,8 +115,8 @@ def load_pipeline_run(client, run) -> PipelineRun:
         stage = child.data.tags.get("stage")
         if stage:
             by_stage.setdefault(stage, []).append(child)
-    names |= {s for s in by_stage if s in STAGE_ORDER}
-    order = [s for s in STAGE_ORDER if s in names] + sorted(names - set(STAGE_ORDER))
+    names |= {s for s in by_stage if s in CHECKPOINT_STAGES}
+    order = [s for s in CHECKPOINT_STAGES if s in names] + sorted(names - set(CHECKPOINT_STAGES))
     stages = []
     for name in order:
         result = StageResult(
@@ -297,7 +296,7 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def compare_main(args: argparse.Namespace) -> int:
-    from grpo_core.config import load_config
+    from flows.config import load_config
 
     cfg = load_config(args.config, args.set)
     uri = (
@@ -317,6 +316,9 @@ def compare_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m flows.compare [RUN ...]``: `grpo compare` without the CLI."""
+    from flows.env import apply_defaults
+
+    apply_defaults()  # before MLflow is imported
     parser = argparse.ArgumentParser(prog="python -m flows.compare")
     sub = parser.add_subparsers(dest="command")
     add_compare_parser(sub)

@@ -2,7 +2,7 @@
 
 Two ways to register them, both against the server in ``PREFECT_API_URL``:
 
-- ``grpo serve``: this process registers every deployment and runs their flow runs itself
+- ``grpo serve`` (or ``python -m flows.serve_cli``): this process registers every deployment and runs their flow runs itself
   (``prefect.serve``); no work pool needed. Ctrl-C stops it (its deployments are paused).
 - ``prefect deploy --prefect-file infra/prefect.yaml --all`` + ``infra/start-servers.sh
   worker``: the same deployments, run by a process worker polling the ``grpo-local`` pool.
@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 
 from prefect import flow
 
-from flows.serve_cli import DEFAULT_CRON
+from flows.config import DEFAULT_CRON, load_config
+from flows.env import apply_defaults
 
 R1_DEPLOYMENT = "r1-pipeline"
 TAGS = ["grpo"]
@@ -50,17 +50,6 @@ STAGE_FLOWS = (
 )
 
 
-def _offline_defaults() -> None:
-    """What `grpo run` sets for itself; a deployment run starts in a bare worker process."""
-    for key, value in {
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows",
-    }.items():
-        os.environ.setdefault(key, value)
-
-
 @flow(name="r1-from-config", log_prints=True)
 def r1_from_config(config: str | None = None, overrides: list[str] | None = None) -> dict:
     """Run the whole R1 pipeline from a YAML preset.
@@ -71,10 +60,9 @@ def r1_from_config(config: str | None = None, overrides: list[str] | None = None
         overrides: `section.key=value` strings, as `grpo run --set`, applied in order,
             e.g. `["rl.iterations=10", "tracking.uri=http://127.0.0.1:5000"]`.
     """
-    from flows.r1 import r1_pipeline
-    from grpo_core.config import load_config
+    apply_defaults()  # a deployment's flow run starts in a bare worker process
+    from flows.r1 import r1_pipeline  # imports MLflow, which reads the defaults at import
 
-    _offline_defaults()
     cfg = load_config(config or None, list(overrides or []))
     return r1_pipeline(cfg)
 
@@ -109,11 +97,9 @@ def build_deployments(
     def schedules() -> list:
         return [Cron(cron, active=False)] if cron else []
 
-    # The flow object of the importable module (not __main__'s under `python -m`): the
-    # deployment's entrypoint is its module path, which the flow-run process imports.
-    pipeline_flow = importlib.import_module("flows.deployments")
+    # The deployment's entrypoint is this module's path, which the flow-run process imports.
     deployments = [
-        pipeline_flow.r1_from_config.to_deployment(
+        r1_from_config.to_deployment(
             name=R1_DEPLOYMENT,
             description="The whole R1 recipe: cold-start SFT -> RL -> rejection sampling "
             "-> re-SFT -> RL -> evaluation. Parameters: a YAML preset and --set overrides.",
@@ -150,16 +136,5 @@ def serve_all(
     """
     from prefect import serve
 
-    _offline_defaults()
+    apply_defaults()
     serve(*build_deployments(cron, stages, config, overrides), limit=limit)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m flows.deployments [serve options]``: `grpo serve` without the CLI."""
-    from flows.serve_cli import main as serve_cli_main
-
-    return serve_cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,18 +17,16 @@ import time
 
 from prefect import flow
 
+from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
 from flows.summary import publish_stage_artifact
-from grpo_core.config import PipelineConfig
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
 from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
-
-STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
 
 
 @flow(name="r1-pipeline", flow_run_name="{cfg.run_name}", log_prints=True)
@@ -59,7 +57,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         timings[name] = time.perf_counter() - t0
         return out
 
-    data = timed("prepare", prepare, cfg, ws)
+    data = timed("prepare", prepare, cfg.data, cfg.model, cfg.seed, ws)
     common_rl = dict(
         rl_path=data["rl"],
         eval_path=data["eval"],
@@ -149,7 +147,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         "re_sft": re["run_id"],
         "rl_2": rl2["run_id"],
     }
-    for stage in STAGES:
+    for stage in CHECKPOINT_STAGES:
         ev = evaluate_stage(
             stage,
             ckpts[stage],
@@ -174,7 +172,9 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         publish_stage_artifact(
             stage, summary_metrics, stage_runs[stage], cfg.tracking.uri, ev["samples"]
         )
-    tracking.log_json(eval_run, {s: results[s]["samples"] for s in STAGES}, "eval_samples.json")
+    tracking.log_json(
+        eval_run, {s: results[s]["samples"] for s in CHECKPOINT_STAGES}, "eval_samples.json"
+    )
     tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0
 
@@ -187,7 +187,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
             "wall_time_s": timings[s],
             "checkpoint": ckpts[s],
         }
-        for s in STAGES
+        for s in CHECKPOINT_STAGES
     ]
     summary = {
         "run_name": cfg.run_name,
@@ -206,7 +206,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
             ckpts["rl_2"],
             {
                 s: {k: results[s][k] for k in ("accuracy", "format_rate", "mean_length")}
-                for s in STAGES
+                for s in CHECKPOINT_STAGES
             },
             final_stage="rl_2",
         )

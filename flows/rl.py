@@ -122,7 +122,7 @@ def rl_stage(
                 eval_cfg,
                 desc=f"{stage} it{it} eval",
                 force=force,
-                out_table=str(ws.iteration_dir(stage, it) / "eval.parquet"),
+                out_table=str(ws.iteration_eval_table(stage, it)),
                 engine=eval_engine,
             )
             evals.append(

@@ -1,5 +1,8 @@
 """``grpo serve``'s command line, kept apart from flows/deployments.py so that building the
-``grpo`` parser does not import Prefect (flows/cli.py starts Prefect's server first)."""
+``grpo`` parser does not import Prefect (flows/cli.py starts Prefect's server first).
+
+``python -m flows.serve_cli [serve options]`` is `grpo serve` without the CLI. This module
+imports flows/deployments.py (when serving), never the other way round."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import logging
 import os
 import sys
 
-DEFAULT_CRON = "0 2 * * *"  # nightly at 02:00: an example, created paused
+from flows.config import DEFAULT_CRON
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,10 +70,17 @@ def serve_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flows.deployments [serve options]``: `grpo serve` without the CLI."""
-    parser = argparse.ArgumentParser(prog="python -m flows.deployments")
+    """``python -m flows.serve_cli [serve options]``: `grpo serve` without the CLI."""
+    from flows.env import apply_defaults
+
+    apply_defaults()  # as flows/cli.py does for `grpo serve`, before Prefect is imported
+    parser = argparse.ArgumentParser(prog="python -m flows.serve_cli")
     sub = parser.add_subparsers(dest="command")
     add_serve_parser(sub)
     args = parser.parse_args(["serve", *(argv if argv is not None else sys.argv[1:])])
     logging.basicConfig(level=logging.INFO)
     return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

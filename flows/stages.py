@@ -19,7 +19,7 @@ from pathlib import Path
 
 from prefect import flow
 
-from grpo_core.config import PipelineConfig, load_config
+from flows.config import PipelineConfig, load_config
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
@@ -41,7 +41,7 @@ def _default_data(cfg: PipelineConfig, split: str) -> str:
     if cfg.data.source == "files":
         return {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
-    return prepare.fn(cfg, ws)[split]
+    return prepare.fn(cfg.data, cfg.model, cfg.seed, ws)[split]
 
 
 @flow(name="stage-rollout")
@@ -55,11 +55,7 @@ def rollout_flow(
 ) -> str:
     cfg = _config(config, overrides)
     data = data or _default_data(cfg, "rl")
-    out = out or str(
-        Workspace.create(cfg.output_dir, cfg.run_name).root
-        / "offline"
-        / f"rollouts-{iteration:04d}.parquet"
-    )
+    out = out or str(Workspace.create(cfg.output_dir, cfg.run_name).offline_rollouts(iteration))
     res = rollout(
         "offline",
         iteration,
@@ -84,9 +80,7 @@ def score_flow(
     cfg = _config(config, overrides)
     knobs = cfg.rl.model_dump()
     out = out or str(
-        Path(rollouts).with_name(
-            f"scored-{_tag([cfg.rewards, {k: knobs[k] for k in SCORE_KNOBS}])}.parquet"
-        )
+        Workspace.rescored(rollouts, _tag([cfg.rewards, {k: knobs[k] for k in SCORE_KNOBS}]))
     )
     if Path(out).resolve() == Path(rollouts).resolve():
         raise ValueError(f"{out}: scoring never rewrites the rollout file; choose another --out")
@@ -105,9 +99,7 @@ def update_flow(
     cfg = _config(config, overrides)
     knobs = cfg.rl.model_dump()
     out = out or str(
-        Workspace.create(cfg.output_dir, cfg.run_name).root
-        / "offline"
-        / f"update-{_tag([scored, policy, knobs])}"
+        Workspace.create(cfg.output_dir, cfg.run_name).offline_update(_tag([scored, policy, knobs]))
     )
     res = update("offline", 0, policy, scored, out, knobs, reference_checkpoint=policy)
     return {k: res[k] for k in ("checkpoint", "global_step", "cached")} | {
@@ -127,9 +119,7 @@ def eval_flow(
     cfg = _config(config, overrides)
     data = data or _default_data(cfg, "eval")
     out = out or str(
-        Path(checkpoint).with_name(
-            f"{Path(checkpoint).name}.eval-{_tag([data, cfg.eval.model_dump()])}.parquet"
-        )
+        Workspace.checkpoint_eval_table(checkpoint, _tag([data, cfg.eval.model_dump()]))
     )
     res = evaluate_stage(
         "offline", checkpoint, data, cfg.eval, out, engine=cfg.rollout.engine_spec(cfg.eval.engine)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
+
+from tasks.workspace import Workspace
 
 
 def render_summary(summary: dict, console: Console | None = None) -> None:
@@ -43,9 +47,8 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     console.print(
         "  prefect server start                      (the Prefect UI, then http://127.0.0.1:4200)"
     )
-    console.print(
-        f"  rollouts and scores: {summary['workspace']}/rl_1/iter_0000/*.parquet (pandas / DuckDB)"
-    )
+    first_iteration = Workspace(Path(summary["workspace"])).iteration_dir("rl_1", 0)
+    console.print(f"  rollouts and scores: {first_iteration}/*.parquet (pandas / DuckDB)")
 
 
 def publish_stage_artifact(

@@ -1,4 +1,5 @@
-"""Pipeline configuration: one pydantic model per stage, unknown keys rejected by name.
+"""Per-stage configuration sections: one pydantic model per stage, unknown keys rejected by name.
+The whole-run ``PipelineConfig`` (and loading it from YAML) is a pipeline concern: flows/config.py.
 
 GRPO knob names follow TRL's ``GRPOConfig`` (``num_generations``, ``beta``, ``epsilon``,
 ``epsilon_high``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ``temperature``,
@@ -9,22 +10,13 @@ Math functions never receive these objects: tasks turn a section into plain argu
 
 from __future__ import annotations
 
-import copy
-from importlib import resources
-from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class TrackingConfig(Section):
-    uri: str = "sqlite:///mlflow.db"
-    experiment: str = "grpo-pipeline"
 
 
 class DemoModelConfig(Section):
@@ -222,103 +214,3 @@ class EvalConfig(Section):
     engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
     accuracy_reward: str = "accuracy"
     format_reward: str = "format"
-
-
-STAGE_NAMES = ("cold_start_sft", "rl_1", "rejection_sampling", "re_sft", "rl_2", "final_evaluation")
-
-
-class PipelineConfig(Section):
-    """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
-
-    run_name: str = "demo"
-    seed: int = 0
-    output_dir: str = "runs"
-    torch_threads: int | None = None
-    force: list[str] = Field(
-        default_factory=list,
-        description="stages to rerun even when their inputs are unchanged ('all' for every stage)",
-    )
-    tracking: TrackingConfig = TrackingConfig()
-    model: ModelConfig = ModelConfig()
-    data: DataConfig = DataConfig()
-    rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
-    rollout: RolloutConfig = RolloutConfig()
-    sft: SFTConfig = SFTConfig()
-    rl: RLConfig = RLConfig()
-    rejection_sampling: RejectionConfig = RejectionConfig()
-    re_sft: dict[str, Any] = Field(default_factory=dict)
-    rl_2: dict[str, Any] = Field(default_factory=dict)
-    eval: EvalConfig = EvalConfig()
-
-    @model_validator(mode="after")
-    def _overrides_valid(self) -> PipelineConfig:
-        self.re_sft_config()
-        self.rl_2_config()
-        if not self.rewards:
-            raise ValueError("rewards: at least one reward function is required")
-        unknown = set(self.force) - {*STAGE_NAMES, "all"}
-        if unknown:
-            raise ValueError(
-                f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
-            )
-        return self
-
-    def forced(self, stage: str) -> bool:
-        return "all" in self.force or stage in self.force
-
-    def re_sft_config(self) -> SFTConfig:
-        try:
-            return SFTConfig(**{**self.sft.model_dump(), **self.re_sft})
-        except ValidationError as e:
-            raise ValueError(f"re_sft: {e}") from None
-
-    def rl_2_config(self) -> RLConfig:
-        try:
-            return RLConfig(**{**self.rl.model_dump(), **self.rl_2})
-        except ValidationError as e:
-            raise ValueError(f"rl_2: {e}") from None
-
-
-DEFAULT_CONFIG = "demo.yaml"
-
-
-def default_config_path() -> Path:
-    return Path(str(resources.files("configs") / DEFAULT_CONFIG))
-
-
-def _parse_value(text: str) -> Any:
-    return yaml.safe_load(text) if text != "" else ""
-
-
-def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in order."""
-    out = copy.deepcopy(raw)
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. rl.learning_rate=1e-5")
-        key, value = item.split("=", 1)
-        parts = key.strip().split(".")
-        node = out
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_value(value)
-    return out
-
-
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
-) -> PipelineConfig:
-    """Read a YAML preset (the packaged demo by default), apply overrides, validate."""
-    path = Path(path) if path else default_config_path()
-    if not path.exists():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or [])
-    try:
-        return PipelineConfig(**raw)
-    except ValidationError as e:
-        raise ValueError(f"{path}: invalid config:\n{e}") from None

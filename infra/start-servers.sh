@@ -36,6 +36,7 @@ ARTIFACTS="${MLFLOW_ARTIFACTS_DESTINATION:-$STATE/mlartifacts}"
 API_URL="http://$HOST:$PREFECT_PORT/api"
 MLFLOW_URL="http://$HOST:$MLFLOW_PORT"
 
+# A copy of the server-side telemetry defaults; the source of truth for Python is flows/env.py.
 export PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true
 
 if [ "$#" -eq 0 ]; then set -- prefect mlflow; fi

@@ -3,6 +3,8 @@ completions, dedupe, write an SFT dataset (JSONL) for re-SFT."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -17,6 +19,7 @@ from tasks.common import logger
 from tasks.rollout import HF_ENGINE, sample_rollouts, select_prompts
 from tasks.score import score_file
 from tasks.tracking import Tracking
+from tasks.workspace import SamplingDir
 
 
 @task(name="rejection_sampling", cache_policy=NO_CACHE)
@@ -40,7 +43,7 @@ def rejection_sampling(
     )
     tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
     key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
-    sft_path = f"{stage_dir}/sft.jsonl"
+    sft_path = str(SamplingDir(Path(stage_dir)).sft_data)
     out = cached(
         "rejection_sampling",
         sft_path,
@@ -60,12 +63,13 @@ def rejection_sampling(
 def _sample_and_filter(
     checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed, engine
 ) -> dict:
+    files = SamplingDir(Path(stage_dir))
     rows = load_rows(rl_path)
     idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
     roll = sample_rollouts(
         checkpoint,
         [rows[i] for i in idx],
-        f"{stage_dir}/rollouts.parquet",
+        str(files.rollouts),
         num_generations=cfg.num_generations,
         temperature=cfg.temperature,
         max_completion_length=cfg.max_completion_length,
@@ -76,7 +80,7 @@ def _sample_and_filter(
         check_sync=engine["check_sync"],
         desc="rejection sampling",
     )
-    scored = score_file(roll["path"], f"{stage_dir}/scored.parquet", weights)
+    scored = score_file(roll["path"], str(files.scored), weights)
     kept = select_completions(
         read_scored(scored["path"]).to_pylist(),
         min_reward=cfg.min_reward,
@@ -89,7 +93,7 @@ def _sample_and_filter(
             f"rejection sampling kept no completion of {n} (min_reward={cfg.min_reward}, "
             f"require={cfg.require}); relax rejection_sampling.require/min_reward or train RL longer"
         )
-    sft_path = write_jsonl(to_sft_rows(kept), f"{stage_dir}/sft.jsonl")
+    sft_path = write_jsonl(to_sft_rows(kept), files.sft_data)
     stats = {
         "sampled": float(n),
         "kept": float(len(kept)),

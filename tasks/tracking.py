@@ -2,6 +2,9 @@
 
 Uses ``MlflowClient`` with explicit run ids (no fluent, thread-local active run), so a
 task can log to its run from whichever Prefect worker thread runs it.
+
+MLflow reads ``MLFLOW_DISABLE_TELEMETRY`` when it is imported: entry points set it first
+(flows/env.py).
 """
 
 from __future__ import annotations
@@ -10,18 +13,15 @@ import functools
 import hashlib
 import json
 import math
-import os
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-import mlflow  # noqa: E402
-from mlflow.entities import Metric, Param, RunTag  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
+import mlflow
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
 
 
 def config_hash(config) -> str:

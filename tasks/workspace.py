@@ -5,15 +5,19 @@ through these paths, never ad-hoc ones.
       data/{sft,rl,dev,eval}.jsonl         demo data (or the user's files, referenced)
       checkpoints/base/                     the initial model
       checkpoints/<stage>/                  stage outputs (cold_start_sft, rl_1, re_sft, rl_2)
-      <rl stage>/iter_0007/rollouts.parquet, scored.parquet, checkpoint/
-      rejection_sampling/sft.jsonl, scored.parquet
+      <rl stage>/iter_0007/rollouts.parquet, scored.parquet, checkpoint/, eval.parquet
+      rejection_sampling/rollouts.parquet, scored.parquet, sft.jsonl
       eval/<stage>.parquet                  held-out eval table per stage checkpoint
+      offline/rollouts-0000.parquet, update-<tag>/   standalone stage runs (flows/stages.py)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+ROLLOUTS = "rollouts.parquet"
+SCORED = "scored.parquet"
 
 
 @dataclass(frozen=True)
@@ -36,16 +40,55 @@ class Workspace:
         return self.root / stage / f"iter_{iteration:04d}"
 
     def rollouts(self, stage: str, iteration: int) -> Path:
-        return self.iteration_dir(stage, iteration) / "rollouts.parquet"
+        return self.iteration_dir(stage, iteration) / ROLLOUTS
 
     def scored(self, stage: str, iteration: int) -> Path:
-        return self.iteration_dir(stage, iteration) / "scored.parquet"
+        return self.iteration_dir(stage, iteration) / SCORED
 
     def iteration_checkpoint(self, stage: str, iteration: int) -> Path:
         return self.iteration_dir(stage, iteration) / "checkpoint"
+
+    def iteration_eval_table(self, stage: str, iteration: int) -> Path:
+        return self.iteration_dir(stage, iteration) / "eval.parquet"
 
     def eval_table(self, stage: str) -> Path:
         return self.root / "eval" / f"{stage}.parquet"
 
     def stage_dir(self, stage: str) -> Path:
         return self.root / stage
+
+    def offline_rollouts(self, iteration: int) -> Path:
+        return self.root / "offline" / f"rollouts-{iteration:04d}.parquet"
+
+    def offline_update(self, tag: str) -> Path:
+        return self.root / "offline" / f"update-{tag}"
+
+    @staticmethod
+    def rescored(rollouts: str | Path, tag: str) -> Path:
+        """A re-scored copy of any rollouts file, beside it, named by the scoring settings."""
+        return Path(rollouts).with_name(f"scored-{tag}.parquet")
+
+    @staticmethod
+    def checkpoint_eval_table(checkpoint: str | Path, tag: str) -> Path:
+        """An eval table of any checkpoint, beside it, named by the eval settings."""
+        return Path(checkpoint).with_name(f"{Path(checkpoint).name}.eval-{tag}.parquet")
+
+
+@dataclass(frozen=True)
+class SamplingDir:
+    """A sampling stage's directory (rejection sampling): rollouts, their scores, and the
+    SFT data kept from them."""
+
+    root: Path
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / ROLLOUTS
+
+    @property
+    def scored(self) -> Path:
+        return self.root / SCORED
+
+    @property
+    def sft_data(self) -> Path:
+        return self.root / "sft.jsonl"

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
+from flows.env import apply_defaults
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# before any test module imports Prefect or MLflow; tests log through plain Python logging
+apply_defaults(flow_logs=False)
 
 import pytest  # noqa: E402
 

@@ -8,10 +8,11 @@ import pytest
 from rich.console import Console
 
 from flows.compare import compare, main
+from flows.config import CHECKPOINT_STAGES
 from flows.registry import register_final_checkpoint
 from tasks.tracking import Tracking
 
-ACC = {"cold_start_sft": 0.35, "rl_1": 0.76, "re_sft": 0.90, "rl_2": 0.95}
+ACC = dict(zip(CHECKPOINT_STAGES, (0.35, 0.76, 0.90, 0.95), strict=True))
 
 
 def _log_pipeline(uri: str, name: str, shift: float = 0.0) -> str:

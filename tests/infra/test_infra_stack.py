@@ -16,6 +16,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.config import CHECKPOINT_STAGES
+from tasks.workspace import Workspace
+
 sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from tests_support import TINY_OVERRIDES  # noqa: E402
 
@@ -58,9 +61,7 @@ def stack(tmp_path_factory):
         "GRPO_WORK_POOL": "grpo-local",
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-    }
+    }  # telemetry off etc.: os.environ has flows/env.py's defaults (tests/conftest.py)
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
     out = _script("start-servers.sh", env, *SERVICES)
@@ -150,17 +151,19 @@ def test_prefect_yaml_deployment_runs_on_the_worker(stack, worker_run):
     assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
     assert not any(s.active for s in deployment.schedules)  # the example schedule is paused
     # the flow ran in GRPO_WORKDIR and wrote the run's files there
-    assert (stack["work"] / "runs" / "via-worker" / "checkpoints" / "rl_2" / "config.json").exists()
+    assert (
+        Workspace(stack["work"] / "runs" / "via-worker").checkpoint("rl_2") / "config.json"
+    ).exists()
 
 
 @pytest.fixture(scope="module")
 def served_run(stack, worker_run):
-    """`grpo serve` (python -m flows.deployments) picks up a run triggered through the API.
+    """`grpo serve` (python -m flows.serve_cli) picks up a run triggered through the API.
     The worker is stopped first (stop-servers.sh for one service), so only serve can run it."""
     assert "worker: stopped" in _script("stop-servers.sh", stack["script_env"], "worker")
     log = open(stack["work"] / "serve.log", "w")  # noqa: SIM115
     serve = subprocess.Popen(
-        [sys.executable, "-m", "flows.deployments", "--no-stages", "--cron", "30 1 * * 0"],
+        [sys.executable, "-m", "flows.serve_cli", "--no-stages", "--cron", "30 1 * * 0"],
         env=stack["env"], cwd=stack["work"], stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
@@ -201,7 +204,7 @@ def test_compare_reads_both_runs_from_the_mlflow_server(stack, worker_run, serve
         env=stack["env"], capture_output=True, text=True, timeout=120, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for stage in ("cold_start_sft", "rl_1", "re_sft", "rl_2"):
+    for stage in CHECKPOINT_STAGES:
         assert stage in proc.stdout
     assert "via-worker" in proc.stdout and "via-serve" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -227,7 +230,7 @@ def test_register_final_checkpoint_on_the_mlflow_server(stack, worker_run, tmp_p
     exp = client.get_experiment_by_name("grpo-stack-test")
     parent = client.search_runs([exp.experiment_id], "attributes.run_name = 'via-worker'")[0]
     metrics = {k: v for k, v in parent.data.metrics.items() if "/eval/" in k}
-    ckpt = stack["work"] / "runs" / "via-worker" / "checkpoints" / "rl_2"
+    ckpt = Workspace(stack["work"] / "runs" / "via-worker").checkpoint("rl_2")
     version = register_final_checkpoint(stack["mlflow"], parent.info.run_id, ckpt, metrics)
     assert version.name == "grpo-stack-test" and version.tags["stage"] == "rl_2"
     assert float(version.tags["rl_2/eval/accuracy"]) == pytest.approx(metrics["rl_2/eval/accuracy"])

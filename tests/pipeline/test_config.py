@@ -1,8 +1,16 @@
+import os
 from pathlib import Path
 
 import pytest
 
-from grpo_core.config import PipelineConfig, default_config_path, load_config
+from flows.config import (
+    CHECKPOINT_STAGES,
+    STAGE_NAMES,
+    PipelineConfig,
+    default_config_path,
+    load_config,
+)
+from flows.env import apply_defaults
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
@@ -59,3 +67,27 @@ def test_steps_per_generation_must_split_whole_groups():
 def test_missing_config_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_force_names_come_from_the_one_stage_list():
+    cfg = load_config(None, [f"force={list(STAGE_NAMES)}"])
+    assert all(cfg.forced(s) for s in STAGE_NAMES)
+    assert set(CHECKPOINT_STAGES) < set(STAGE_NAMES)
+    with pytest.raises(ValueError, match="unknown stage"):
+        load_config(None, ["force=[rl_3]"])
+
+
+def test_env_defaults_do_not_override_user_settings(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    for key in (
+        "HF_HOME",
+        "HF_HUB_DISABLE_PROGRESS_BARS",
+        "TRANSFORMERS_VERBOSITY",
+        "PREFECT_LOGGING_EXTRA_LOGGERS",
+    ):
+        monkeypatch.delenv(key, raising=False)  # restored (or unset again) after the test
+    apply_defaults(tmp_path, flow_logs=False)
+    assert os.environ["HF_HUB_OFFLINE"] == "0"
+    assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
+    assert os.environ["HF_HOME"] == str(tmp_path.resolve() / ".hf_home")
+    assert "PREFECT_LOGGING_EXTRA_LOGGERS" not in os.environ

@@ -6,10 +6,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from tests_support import TINY_OVERRIDES as TINY
 
-from grpo_core.config import load_config
+from flows.config import CHECKPOINT_STAGES as STAGES
+from flows.config import STAGE_NAMES, load_config
 from grpo_core.rollouts import ROLLOUT_COLUMNS
-
-STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
+from tasks.workspace import Workspace
 
 
 @pytest.mark.slow
@@ -31,7 +31,7 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     by_stage = {r.data.tags["stage"]: r for r in children}
-    assert set(by_stage) == {*STAGES, "rejection_sampling", "final_evaluation"}
+    assert set(by_stage) == set(STAGE_NAMES)
     rl1 = by_stage["rl_1"]
     for m in (
         "reward",
@@ -79,15 +79,15 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
         for a in client.list_artifacts(by_stage["final_evaluation"].info.run_id)
     )
 
-    ws = tmp_path / "runs" / "demo"
+    ws = Workspace(tmp_path / "runs" / "demo")
     for it in range(2):
-        rollouts = pq.read_table(ws / "rl_1" / f"iter_{it:04d}" / "rollouts.parquet")
+        rollouts = pq.read_table(ws.rollouts("rl_1", it))
         assert set(ROLLOUT_COLUMNS) <= set(rollouts.column_names)
         assert rollouts.num_rows == 16
-        scored = pq.read_table(ws / "rl_1" / f"iter_{it:04d}" / "scored.parquet")
+        scored = pq.read_table(ws.scored("rl_1", it))
         assert {"reward", "advantage", "reward_accuracy", "reward_format"} <= set(
             scored.column_names
         )
     for stage in STAGES:
-        assert (ws / "checkpoints" / stage / "model.safetensors").exists()
-        assert pq.read_table(ws / "eval" / f"{stage}.parquet").num_rows == 16
+        assert (ws.checkpoint(stage) / "model.safetensors").exists()
+        assert pq.read_table(ws.eval_table(stage)).num_rows == 16
