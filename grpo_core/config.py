@@ -10,6 +10,7 @@ Math functions never receive these objects: tasks turn a section into plain argu
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -181,6 +182,42 @@ class RLConfig(Section):
             )
         if self.overlong_buffer_length and self.overlong_buffer_length > self.max_completion_length:
             raise ValueError("rl.overlong_buffer_length must be <= rl.max_completion_length")
+        return self
+
+    @model_validator(mode="after")
+    def _cispo_cap_given(self) -> RLConfig:
+        if self.objective == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "rl.objective='cispo' needs rl.epsilon_high, the cap of the importance-sampling "
+                "weight min(ratio, epsilon_high) (MiniMax-M1, arXiv:2506.13585, tunes only this "
+                "upper bound); without it the cap would be rl.epsilon (default 0.2): REINFORCE "
+                "scaled down to 0.2. TRL's GRPOConfig recommends epsilon_high=5.0 for cispo "
+                "(ScaleRL's epsilon_max, arXiv:2510.13786)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warn_processed_sampling_logprobs(self) -> RLConfig:
+        filters = [
+            f"{name}={value}"
+            for name, value, neutral in (
+                ("top_p", self.top_p, 1.0),
+                ("top_k", self.top_k, 0),
+                ("min_p", self.min_p, 0.0),
+                ("repetition_penalty", self.repetition_penalty, 1.0),
+            )
+            if value != neutral
+        ]
+        if self.vllm_importance_sampling_correction and filters:
+            warnings.warn(
+                f"rl.vllm_importance_sampling_correction with {', '.join(filters)}: the engine's "
+                "sampling log-probs are of the filtered/penalised distribution, so the ratio to "
+                "the trainer's full softmax is < 1 on every token and the sequence-level modes "
+                "collapse (weights near 0); sample from the full distribution (top_p=1, top_k=0, "
+                "min_p=0, repetition_penalty=1) or turn the correction off",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     @model_validator(mode="after")

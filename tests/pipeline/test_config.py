@@ -1,4 +1,5 @@
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from flows.config import (
     load_config,
 )
 from flows.env import apply_defaults
+from grpo_core.config import RLConfig
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
@@ -75,6 +77,29 @@ def test_force_names_come_from_the_one_stage_list():
     assert set(CHECKPOINT_STAGES) < set(STAGE_NAMES)
     with pytest.raises(ValueError, match="unknown stage"):
         load_config(None, ["force=[rl_3]"])
+
+
+def test_cispo_requires_epsilon_high_and_names_the_recommended_value():
+    with pytest.raises(ValueError, match=r"epsilon_high=5\.0"):
+        load_config(None, ["rl.objective=cispo"])
+    with pytest.raises(ValueError, match="rl_2"):  # the rl_2 overrides are checked the same way
+        load_config(None, ["rl_2={objective: cispo}"])
+    cfg = load_config(None, ["rl.objective=cispo", "rl.epsilon_high=5.0"])
+    assert cfg.rl.epsilon_high == 5.0
+    assert RLConfig(objective="clip").epsilon_high is None  # clip keeps epsilon_high optional
+
+
+@pytest.mark.parametrize(
+    "knob", [{"top_p": 0.9}, {"top_k": 8}, {"min_p": 0.05}, {"repetition_penalty": 1.1}]
+)
+def test_engine_is_correction_with_processed_sampling_warns(knob):
+    name = next(iter(knob))
+    with pytest.warns(UserWarning, match=f"{name}=.*< 1 on every token"):
+        RLConfig(vllm_importance_sampling_correction=True, **knob)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RLConfig(**knob)  # no correction: nothing to warn about
+        RLConfig(vllm_importance_sampling_correction=True)  # full distribution
 
 
 def test_env_defaults_do_not_override_user_settings(monkeypatch, tmp_path):
