@@ -58,7 +58,7 @@ def rl_stage(
         {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},
         "stage_config.json",
     )
-    total_steps = rl.iterations * rl.steps_per_generation * rl.num_iterations
+    total_steps = rl.total_optimizer_steps
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
     reused = 0
@@ -82,35 +82,33 @@ def rl_stage(
             policy,
             rl_path,
             str(ws.rollouts(stage, it)),
-            knobs,
+            rl,
             seed,
             engine,
             force=force,
         )
-        scored = score(
-            stage, it, roll["path"], str(ws.scored(stage, it)), weights, knobs, force=force
-        )
+        scored = score(stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force)
         upd = update(
             stage,
             it,
             policy,
-            scored["path"],
+            scored.path,
             str(ws.iteration_checkpoint(stage, it)),
-            knobs,
+            rl,
             reference_checkpoint=init_checkpoint,
             global_step=step,
             total_steps=total_steps,
             force=force,
         )
-        it_cached = roll["cached"] and scored["cached"] and upd["cached"]
+        it_cached = roll.cached and scored.cached and upd.cached
         reused += it_cached
         group.cached &= bool(it_cached)
-        for i, h in enumerate(upd["history"]):
+        for i, h in enumerate(upd.history):
             metrics.add(h, step + i + 1)
             group.add(h)
-        iter_metrics = {k: v for k, v in {**roll, **scored}.items() if isinstance(v, float | int)}
-        iter_metrics.update({"iteration": it, "timing/update_s": upd["timing/update_s"]})
-        step, policy = upd["global_step"], upd["checkpoint"]
+        iter_metrics = {**roll.metrics, **scored.metrics}
+        iter_metrics.update({"iteration": it, "timing/update_s": upd.seconds})
+        step, policy = upd.global_step, upd.checkpoint
         metrics.add(iter_metrics, step)
         group.add(iter_metrics)
         _prune(ws, stage, it)
@@ -135,16 +133,14 @@ def rl_stage(
             eval_metrics = {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}
             metrics.add(eval_metrics, step)
             group.end(step, eval_metrics, policy_id(policy))
-            tracking.log_json(
-                run_id, _rollout_sample(scored["path"]), f"samples/iter_{it:04d}.json"
-            )
+            tracking.log_json(run_id, _rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
             log.info(
                 "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
                 stage,
                 it,
                 step,
                 ev["accuracy"],
-                scored["reward"],
+                scored.metrics["reward"],
             )
         if not it_cached:  # live curves while training; replayed history goes in one call
             metrics.flush()

@@ -23,7 +23,7 @@ from flows.config import PipelineConfig, load_config
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
-from tasks.score import SCORE_KNOBS, score
+from tasks.score import score, score_options
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -62,11 +62,11 @@ def rollout_flow(
         policy,
         data,
         out,
-        cfg.rl.model_dump(),
+        cfg.rl,
         cfg.seed,
         cfg.rollout.engine_spec(),
     )
-    return res["path"]
+    return res.path
 
 
 @flow(name="stage-score")
@@ -78,13 +78,11 @@ def score_flow(
 ) -> dict:
     """Re-score a rollouts Parquet with the config's reward mix into a new scored file."""
     cfg = _config(config, overrides)
-    knobs = cfg.rl.model_dump()
-    out = out or str(
-        Workspace.rescored(rollouts, _tag([cfg.rewards, {k: knobs[k] for k in SCORE_KNOBS}]))
-    )
+    out = out or str(Workspace.rescored(rollouts, _tag([cfg.rewards, score_options(cfg.rl)])))
     if Path(out).resolve() == Path(rollouts).resolve():
         raise ValueError(f"{out}: scoring never rewrites the rollout file; choose another --out")
-    return score("offline", 0, rollouts, out, cfg.rewards, knobs)
+    res = score("offline", 0, rollouts, out, cfg.rewards, cfg.rl)
+    return {"path": res.path, "cached": res.cached, **res.metrics}
 
 
 @flow(name="stage-update")
@@ -101,9 +99,12 @@ def update_flow(
     out = out or str(
         Workspace.create(cfg.output_dir, cfg.run_name).offline_update(_tag([scored, policy, knobs]))
     )
-    res = update("offline", 0, policy, scored, out, knobs, reference_checkpoint=policy)
-    return {k: res[k] for k in ("checkpoint", "global_step", "cached")} | {
-        "steps": len(res["history"])
+    res = update("offline", 0, policy, scored, out, cfg.rl, reference_checkpoint=policy)
+    return {
+        "checkpoint": res.checkpoint,
+        "global_step": res.global_step,
+        "cached": res.cached,
+        "steps": len(res.history),
     }
 
 

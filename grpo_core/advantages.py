@@ -13,8 +13,11 @@ and is registered by name in ``ADVANTAGE_ESTIMATORS`` (call them through :func:`
 
 The std is the unbiased (Bessel-corrected) one, as in TRL and verl. ``NaN`` rewards (a reward
 function returned ``None``) are left out of every group statistic and get advantage 0, as TRL
-does. A group whose rewards are all equal (or that has one valid reward) gets advantage 0,
-never NaN. Group ids are arbitrary labels: groups need not be contiguous or of equal size.
+does. A group without reward variance gets advantage exactly 0, never NaN and never the float
+residue of ``r - mean`` (eight rewards of 1.1 leave a std of ~1e-16): :func:`zero_std` decides
+"no variance" for the estimators, the metrics and dynamic sampling alike, as TRL does
+(``isclose(std, 0)``). Group ids are arbitrary labels: groups need not be contiguous or of
+equal size.
 
 Multi-reward aggregation (TRL's ``multi_objective_aggregation``): :func:`compute_multi` with
 ``"sum_then_normalize"`` (weighted sum of the reward functions, then the estimator) or
@@ -78,6 +81,11 @@ def group_moments(rewards: Tensor, group_ids: Tensor) -> GroupMoments:
     )
 
 
+def zero_std(std: Tensor) -> Tensor:
+    """Bool, same shape: the std is zero up to float residue (TRL's ``isclose(std, 0)``)."""
+    return torch.isclose(std, torch.zeros_like(std))
+
+
 def nanstd(x: Tensor) -> Tensor:
     """Unbiased std of the non-NaN entries (0 when fewer than two)."""
     x = x[~torch.isnan(x)]  # [M]
@@ -91,10 +99,14 @@ def _check_scale(scale_rewards: str) -> None:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
 
 
-def _finish(adv: Tensor, rewards: Tensor) -> Tensor:
-    """NaN rewards (and any 0/0) give advantage 0; float dtype of the rewards."""
+def _finish(adv: Tensor, rewards: Tensor, informative: Tensor | None = None) -> Tensor:
+    """NaN rewards (and any 0/0) give advantage 0, so do rows of groups that are not
+    ``informative`` (``[N]`` bool); float dtype of the rewards."""
     dt = rewards.dtype if rewards.is_floating_point() else torch.float32
-    return torch.nan_to_num(adv, nan=0.0).to(dt)
+    adv = torch.nan_to_num(adv, nan=0.0)
+    if informative is not None:
+        adv = torch.where(informative, adv, torch.zeros_like(adv))
+    return adv.to(dt)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -109,7 +121,7 @@ def grpo_advantages(
         adv = adv / (m.std + eps)  # [N]
     elif scale_rewards == "batch":
         adv = adv / (nanstd(rewards.to(m.std.dtype)) + eps)  # [N]
-    return _finish(adv, rewards)
+    return _finish(adv, rewards, ~zero_std(m.std))
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
@@ -130,7 +142,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, scale_rewards: str = 
     m = group_moments(rewards, group_ids)
     n = m.count  # [N]
     scale = torch.where(n > 1, n / (n - 1).clamp(min=1), torch.zeros_like(n))  # [N]
-    return _finish((rewards - m.mean) * scale, rewards)
+    return _finish((rewards - m.mean) * scale, rewards, ~zero_std(m.std))
 
 
 def compute(name: str, rewards: Tensor, group_ids: Tensor, **opts) -> Tensor:
@@ -182,22 +194,52 @@ def compute_multi(
     valid = rewards[~torch.isnan(rewards)]  # [M]
     mean = valid.mean() if valid.numel() else torch.zeros((), dtype=rewards.dtype)
     adv = (rewards - mean) / (nanstd(rewards) + eps)  # [N]
-    return _finish(adv, rewards)
+    informative = informative_groups(rewards_per_func, group_ids, weights, aggregation)  # [N]
+    return _finish(adv, rewards, informative)
 
 
-def group_stats(rewards: Tensor, group_ids: Tensor) -> dict[str, float]:
+def informative_groups(
+    rewards_per_func: Tensor,
+    group_ids: Tensor,
+    weights: Tensor | None = None,
+    aggregation: str = "sum_then_normalize",
+) -> Tensor:
+    """Bool ``[N]``: the row's group has what its advantages are computed from varying.
+
+    ``"sum_then_normalize"``: the weighted sum varies within the group. ``"normalize_then_sum"``
+    (GDPO): some reward function with a non-zero weight varies within the group, even when the
+    weighted sums tie. Unscorable (all-NaN) rows are left out, as in the estimators.
+    """
+    if aggregation == "sum_then_normalize":
+        total = weighted_reward_sum(rewards_per_func, weights)  # [N]
+        return ~zero_std(group_moments(total, group_ids).std)
+    if aggregation != "normalize_then_sum":
+        raise ValueError(f"aggregation must be one of {MULTI_AGGREGATIONS}, got {aggregation!r}")
+    k = rewards_per_func.shape[1]
+    w = torch.ones(k) if weights is None else weights  # [K]
+    varies = torch.zeros(rewards_per_func.shape[0], dtype=torch.bool)  # [N]
+    for j in range(k):
+        if float(w[j]) != 0.0:
+            varies |= ~zero_std(group_moments(rewards_per_func[:, j], group_ids).std)
+    return varies
+
+
+def group_stats(
+    rewards: Tensor, group_ids: Tensor, informative: Tensor | None = None
+) -> dict[str, float]:
     """Reward metrics with TRL's names, from the (weighted-sum) rewards of one batch.
 
-    ``reward``: mean of valid rewards. ``reward_std``: unbiased std of all valid rewards of the
+    ``reward``: mean of valid (scorable) rewards; NaN rows are left out, as TRL. ``reward_std``: unbiased std of all valid rewards of the
     batch (TRL >= 0.20 logs ``nanstd(rewards)``). ``reward_std/group_mean``: mean over groups of
     the per-group std (TRL <= 0.19's ``reward_std``). ``frac_reward_zero_std``: fraction of
     completions whose group std is zero (TRL's per-completion definition; with equal group sizes
-    it is the fraction of groups).
+    it is the fraction of groups), or, given ``informative`` (:func:`informative_groups`), the
+    fraction of completions whose group is not informative: the groups dynamic sampling drops.
     """
     m = group_moments(rewards, group_ids)
     valid = ~torch.isnan(rewards)  # [N]
     per_group_std = torch.zeros(m.num_groups, dtype=m.std.dtype).index_copy_(0, m.inverse, m.std)
-    zero = torch.isclose(m.std, torch.zeros_like(m.std))  # [N]
+    zero = zero_std(m.std) if informative is None else ~informative  # [N]
     mean = rewards[valid].double().mean().item() if valid.any() else float("nan")
     return {
         "reward": mean,

@@ -11,9 +11,12 @@ Math functions never receive these objects: tasks turn a section into plain argu
 from __future__ import annotations
 
 import warnings
+from dataclasses import fields
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
 
 
 class Section(BaseModel):
@@ -121,8 +124,16 @@ class RLConfig(Section):
     iterations: int = Field(40, ge=0, description="generation batches (rollout->score->update)")
     prompts_per_iteration: int = Field(32, ge=1)
     num_generations: int = Field(8, ge=2)
-    steps_per_generation: int = Field(4, ge=1, description="optimizer steps per generation batch")
+    steps_per_generation: int = Field(
+        4, ge=1, description="micro-batches per generation batch (TRL's meaning)"
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, description="micro-batches per optimizer step (TRL's meaning)"
+    )
     num_iterations: int = Field(1, ge=1, description="mu: passes over each generation batch")
+    disable_dropout: bool = Field(
+        True, description="dropout off in policy and reference (TRL's option, default off there)"
+    )
     learning_rate: float = Field(1e-4, gt=0)
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = Field(0, ge=0)
@@ -220,8 +231,46 @@ class RLConfig(Section):
             )
         return self
 
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps per pass over one generation batch."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
+
+    @property
+    def total_optimizer_steps(self) -> int:
+        """Optimizer steps of the whole stage (the learning-rate schedule's length)."""
+        return self.iterations * self.optimizer_steps_per_generation * self.num_iterations
+
+    def update_config(self) -> UpdateConfig:
+        """The typed settings of ``grpo_core.update.grpo_update``, built from this section."""
+        engine = None
+        if self.vllm_importance_sampling_correction:
+            engine = EngineCorrection(
+                mode=self.vllm_importance_sampling_mode,
+                clip_min=self.vllm_importance_sampling_clip_min,
+                clip_max=self.vllm_importance_sampling_clip_max,
+            )
+        loss = LossConfig(**{f.name: getattr(self, f.name) for f in fields(LossConfig)})
+        return UpdateConfig(
+            loss=loss,
+            steps_per_generation=self.steps_per_generation,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            num_iterations=self.num_iterations,
+            top_entropy_quantile=self.top_entropy_quantile,
+            temperature=self.temperature,
+            max_grad_norm=self.max_grad_norm,
+            disable_dropout=self.disable_dropout,
+            engine_correction=engine,
+        )
+
     @model_validator(mode="after")
     def _divisible(self) -> RLConfig:
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"rl.steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                f"rl.gradient_accumulation_steps ({self.gradient_accumulation_steps}): an "
+                "optimizer step never spans two generation batches"
+            )
         if self.prompts_per_iteration % self.steps_per_generation:
             raise ValueError(
                 f"rl.prompts_per_iteration ({self.prompts_per_iteration}) must be divisible by "

@@ -15,22 +15,25 @@ Reading order follows the objective of DeepSeekMath (Shao et al., 2024, arXiv:24
 4. ``+ beta * KL`` with an estimator from ``grpo_core.kl`` (k3 by default);
 5. aggregation over tokens by ``loss_type`` from ``LOSS_AGGREGATIONS``, as TRL defines it.
 
-Gradient accumulation: ``num_items_in_batch`` is the normaliser of the *whole* (accumulated)
-batch: its number of completion tokens for ``dapo``/``bnpo``, its number of sequences for
-``grpo``/``dr_grpo``. With it, the sum of the k micro-batch losses equals the loss of the whole
-batch. Without it, the micro-batch is the whole batch. (TRL's ``bnpo`` instead divides each
-micro-batch's token mean by k; pass ``num_items_in_batch=None`` and divide by k to reproduce it.)
+Normalisers: ``num_items_in_batch`` overrides what an aggregation divides by (tokens for
+``dapo``/``bnpo``, sequences for ``grpo``/``dr_grpo``); without it, the micro-batch is the
+whole batch. :func:`micro_batch_normaliser` gives TRL's choice for each ``loss_type`` under
+gradient accumulation, which ``grpo_core.update`` uses: ``dapo`` divides every micro-batch by
+the completion tokens of the *whole generation batch*; ``bnpo``, ``grpo`` and ``dr_grpo``
+divide the micro-batch's own mean by the number of accumulated micro-batches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from grpo_core.kl import kl_divergence
+from grpo_core.loss_config import LossConfig
 from grpo_core.registry import Registry
 
 
@@ -132,6 +135,28 @@ def agg_dr_grpo(
     return (per_token * mask).sum() / (n * max_completion_length)
 
 
+def micro_batch_normaliser(
+    loss_type: str, mask: Tensor, generation_batch_tokens: Tensor | float, accumulation: int
+) -> Tensor | float:
+    """TRL's ``num_items_in_batch`` for one micro-batch (``mask[n, T]``) of a generation batch
+    with ``generation_batch_tokens`` completion tokens, in an optimizer step that accumulates
+    ``accumulation`` micro-batches (TRL ``GRPOTrainer._compute_loss``):
+
+    - ``dapo``: the generation batch's tokens, whatever the accumulation (so with more optimizer
+      steps than one per generation batch, each step's gradient is a share of the token mean);
+    - ``bnpo``: the micro-batch's tokens x ``accumulation``;
+    - ``grpo``, ``dr_grpo``: the micro-batch's sequences x ``accumulation``.
+    """
+    if loss_type == "dapo":
+        return torch.as_tensor(generation_batch_tokens, dtype=mask.dtype).clamp(min=1.0)
+    if loss_type == "bnpo":
+        return mask.sum().clamp(min=1.0) * accumulation
+    if loss_type in ("grpo", "dr_grpo"):
+        return mask.shape[0] * accumulation
+    LOSS_AGGREGATIONS.get(loss_type)  # raises, listing the valid names
+    raise ValueError(f"no normaliser for loss_type {loss_type!r}")
+
+
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     """GSPO's length-normalised sequence log-ratio ``mean_t(logp - old_logp)``, shape [B, 1]."""
     return ((logp - old_logp) * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
@@ -152,22 +177,13 @@ def policy_loss(
     old_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    config: LossConfig | None = None,
     *,
     ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "dapo",
-    max_completion_length: int | None = None,
-    importance_sampling_level: str = "token",
     num_items_in_batch: float | Tensor | None = None,
-    kl_estimator: str = "k3",
-    objective: str = "clip",
-    clip_ratio_c: float | None = None,
-    delta: float | None = None,
     token_weights: Tensor | None = None,
     importance_sampling_ratio: Tensor | None = None,
-    use_bias_correction_kl: bool = False,
+    **knobs,
 ) -> tuple[Tensor, dict[str, float]]:
     """GRPO-family loss of one (micro-)batch and its metrics (TRL's names).
 
@@ -177,6 +193,8 @@ def policy_loss(
             ``logp.detach()`` (num_iterations = 1: ratio 1, no extra forward).
         advantages: ``[B]`` (or ``[B, T]``) advantages.
         mask: ``[B, T]`` float/bool, 1 on completion tokens that count.
+        config: a :class:`~grpo_core.loss_config.LossConfig`; or give its fields as keywords
+            (``beta=0.04, loss_type="grpo"``), not both. Its fields:
         ref_logp: ``[B, T]`` reference log-probs, needed when ``beta != 0``.
         epsilon / epsilon_high: clip range ``[1 - epsilon, 1 + epsilon_high]``
             (``epsilon_high=None`` means ``epsilon``).
@@ -197,21 +215,29 @@ def policy_loss(
         ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` and
         ``kl`` when ``beta != 0``.
     """
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+    if config is not None and knobs:
+        raise ValueError(f"give a LossConfig or keywords, not both (got {sorted(knobs)})")
+    if config is None:
+        unknown = set(knobs) - {f.name for f in fields(LossConfig)}
+        if unknown:
+            raise TypeError(f"policy_loss: unknown keyword(s) {sorted(unknown)}")
+        config = LossConfig(**knobs)
+    c = config
+    if c.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(
             f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-            f"got {importance_sampling_level!r}"
+            f"got {c.importance_sampling_level!r}"
         )
-    aggregate = LOSS_AGGREGATIONS.get(loss_type)
-    objective_fn = POLICY_OBJECTIVES.get(objective)
+    aggregate = LOSS_AGGREGATIONS.get(c.loss_type)
+    objective_fn = POLICY_OBJECTIVES.get(c.objective)
     mask = mask.to(logp.dtype)  # [B, T]
     old_logp = logp.detach() if old_logp is None else old_logp  # [B, T]
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
-    eps_low = epsilon
-    eps_high = epsilon if epsilon_high is None else epsilon_high
+    eps_low = c.epsilon
+    eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
 
-    if importance_sampling_level == "token":
+    if c.importance_sampling_level == "token":
         log_ratio = logp - old_logp  # [B, T]
     else:
         log_ratio = sequence_log_ratio(logp, old_logp, mask)  # [B, 1]
@@ -222,8 +248,8 @@ def policy_loss(
         logp,
         epsilon_low=eps_low,
         epsilon_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-        delta=delta,
+        clip_ratio_c=c.clip_ratio_c,
+        delta=c.delta,
     )
     per_token = out.loss  # [B, T] or [B, 1]
     if token_weights is not None:
@@ -232,13 +258,13 @@ def policy_loss(
         per_token = per_token * importance_sampling_ratio.detach()  # [B, T]
 
     metrics: dict[str, float] = {}
-    if beta != 0.0:
+    if c.beta != 0.0:
         if ref_logp is None:
             raise ValueError("beta != 0 needs ref_logp")
-        per_token_kl = kl_divergence(logp, ref_logp, kl_estimator)  # [B, T]
-        if use_bias_correction_kl:
+        per_token_kl = kl_divergence(logp, ref_logp, c.kl_estimator)  # [B, T]
+        if c.use_bias_correction_kl:
             per_token_kl = per_token_kl * torch.exp(log_ratio)  # [B, T]
-        per_token = per_token + beta * per_token_kl  # [B, T]
+        per_token = per_token + c.beta * per_token_kl  # [B, T]
         metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
 
     per_token = per_token.expand_as(mask)  # [B, T] (GSPO's [B, 1] broadcast over tokens)
@@ -246,7 +272,7 @@ def policy_loss(
         per_token,
         mask,
         num_items_in_batch=num_items_in_batch,
-        max_completion_length=max_completion_length,
+        max_completion_length=c.max_completion_length,
     )
     region = out.low_clipped | out.high_clipped
     metrics["policy_loss"] = loss.detach().item()

@@ -1,4 +1,4 @@
-"""The rollout and scored Parquet contracts (see DESIGN.md "Data contracts").
+"""The rollout and scored Parquet contracts (docs/architecture.md, "Data contracts").
 
 Rollouts: one row per completion. Scored: the rollout rows plus one ``reward_<fn>`` and
 ``error_<fn>`` column per reward function, ``reward`` (weighted sum) and ``advantage``.
@@ -20,11 +20,13 @@ from grpo_core.text import decode_completion, prompt_text
 if TYPE_CHECKING:
     from grpo_core.generation import Sample
 
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"  # 2: group_idx
 META_KEY = b"grpo_pipeline"
 
 ROLLOUT_COLUMNS = {
     "prompt_id": "stable hash of the prompt (same prompt, same id, across runs)",
+    "group_idx": "index of the drawn prompt within its iteration: rows of one group share it "
+    "(the same prompt drawn twice in one iteration makes two groups)",
     "sample_idx": "index of this completion within its prompt's group (0..num_generations-1)",
     "prompt": "the prompt as given in the data (text or chat messages)",
     "prompt_text": "the prompt after the chat template, as the model saw it",
@@ -65,6 +67,7 @@ def rollout_table(
         row = rows[s.prompt_index]
         rec = {
             "prompt_id": prompt_hash(row["prompt"]),
+            "group_idx": s.prompt_index,
             "sample_idx": s.sample_index,
             "prompt": row["prompt"],
             "prompt_text": prompt_text(tokenizer, row["prompt"]),
@@ -140,10 +143,42 @@ def scored_table(
     return with_metadata(table, {"kind": "scored", **(metadata or {})})
 
 
-def group_ids(table: pa.Table) -> list[int]:
-    """Integer group id per row (rows of one prompt in one iteration share a group)."""
-    keys = zip(
-        table.column("iteration").to_pylist(), table.column("prompt_id").to_pylist(), strict=True
+def group_ids(table: pa.Table, source: str | Path = "table") -> list[int]:
+    """Integer group id per row: one group per ``(iteration, group_idx)``, numbered in order
+    of first appearance.
+
+    Files written before ``group_idx`` existed (or by other tools) are grouped by
+    ``(iteration, prompt_id)``, which is only right when no prompt was drawn twice in one
+    iteration: a repeated ``sample_idx`` within such a group means it was, and is an error.
+    """
+    names = table.column_names
+    if "group_idx" in names:
+        keys = zip(
+            table.column("iteration").to_pylist(),
+            table.column("group_idx").to_pylist(),
+            strict=True,
+        )
+        ids: dict[tuple, int] = {}
+        return [ids.setdefault(k, len(ids)) for k in keys]
+    keys = list(
+        zip(
+            table.column("iteration").to_pylist(),
+            table.column("prompt_id").to_pylist(),
+            strict=True,
+        )
     )
-    ids: dict[tuple, int] = {}
-    return [ids.setdefault(k, len(ids)) for k in keys]
+    ids = {}
+    out = [ids.setdefault(k, len(ids)) for k in keys]
+    seen: set[tuple[int, int]] = set()
+    for row, (gid, sample) in enumerate(
+        zip(out, table.column("sample_idx").to_pylist(), strict=True)
+    ):
+        if (gid, sample) in seen:
+            iteration, prompt_id = keys[row]
+            raise ValueError(
+                f"{source}: row {row} repeats sample_idx {sample} of prompt_id {prompt_id} in "
+                f"iteration {iteration}: the prompt was drawn twice, and without a 'group_idx' "
+                "column (one value per drawn prompt) its two groups cannot be told apart"
+            )
+        seen.add((gid, sample))
+    return out

@@ -1,13 +1,16 @@
 """The GRPO update: one generation batch of scored completions -> optimizer steps.
 
 Order of the GRPO paper (DeepSeekMath, Alg. 1), for one generation batch:
-  1. old log-probs pi_old(o_t) once, without grad (skipped when the batch is used for a
-     single on-policy step: then old = current.detach(), no extra forward, as TRL);
+  1. old log-probs pi_old(o_t) once, without grad, in train mode like the loss's forward
+     (skipped when the batch makes a single on-policy optimizer step: then
+     old = current.detach(), no extra forward, as TRL);
   2. reference log-probs when beta > 0 (no reference model exists otherwise);
-  3. ``steps_per_generation`` optimizer steps over disjoint slices of whole groups, repeated
-     ``num_iterations`` (mu) times, each minimising ``grpo_core.losses.policy_loss``.
+  3. ``steps_per_generation`` micro-batches of whole groups, repeated ``num_iterations`` (mu)
+     times, each minimising ``grpo_core.losses.policy_loss``, with an optimizer step every
+     ``gradient_accumulation_steps`` micro-batches (TRL's meaning of these names).
 Departures from the paper: advantages come precomputed from the scored Parquet (so an
-offline update can use any scored file); KL is the k3 estimator against a frozen reference.
+offline update can use any scored file); dropout is off by default (``disable_dropout``, TRL's
+option, off by default there), so that pi_old and pi_theta are the same function at step 0.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from torch import Tensor
 
 from grpo_core.importance import engine_importance_weights, needs_old_logprobs
 from grpo_core.logprobs import token_logprobs
-from grpo_core.losses import policy_loss
+from grpo_core.loss_config import UpdateConfig
+from grpo_core.losses import micro_batch_normaliser, policy_loss
 from grpo_core.sampling_filters import mask_truncated_completions, top_entropy_mask
 
 
@@ -56,7 +60,12 @@ class UpdateBatch:
     def step_slices(self, steps: int) -> list[Tensor]:
         """Row indices of ``steps`` micro-batches holding whole groups (as equal as possible)."""
         gids = self.group_ids if self.group_ids is not None else torch.arange(self.size)
-        groups = torch.unique_consecutive(gids)  # rows are group-contiguous
+        groups = torch.unique_consecutive(gids)  # [G] rows must be group-contiguous
+        if len(groups) != len(torch.unique(gids)):
+            raise ValueError(
+                "the rows of a group must be contiguous (the rollout stage writes them so): "
+                "a group split over two optimizer steps would train its rows twice"
+            )
         if len(groups) < steps:
             raise ValueError(f"batch of {len(groups)} groups does not split into {steps} steps")
         if self.group_ids is None and self.size % steps:
@@ -121,17 +130,34 @@ def completion_logprobs(
 
 @torch.no_grad()
 def batched_logprobs(model, batch: UpdateBatch, *, temperature: float, chunk: int = 64) -> Tensor:
-    """No-grad log-probs of the whole batch, ``chunk`` sequences at a time. [N, T]"""
-    was_training = model.training
-    model.eval()
+    """No-grad log-probs of the whole batch, ``chunk`` sequences at a time, in the model's
+    current train/eval mode (the old log-probs must see the model as the loss does). [N, T]"""
     out = [
         completion_logprobs(
             model, batch.slice(torch.arange(s, min(s + chunk, batch.size))), temperature=temperature
         )[0]
         for s in range(0, batch.size, chunk)
     ]
-    model.train(was_training)
     return torch.cat(out, dim=0)
+
+
+def disable_dropout(model) -> None:
+    """TRL's ``disable_dropout``: every ``nn.Dropout`` to p = 0, and the attention dropout
+    rate that Hugging Face attention modules keep as a float attribute, to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _accumulation_plan(cfg: UpdateConfig, n_groups: int) -> tuple[int, int]:
+    """``(micro_batches, accumulation)`` of one pass. With fewer groups than
+    ``steps_per_generation`` (dynamic sampling dropped some), keep as many optimizer steps as
+    the groups allow, each accumulating as many one-group-or-more micro-batches as remain."""
+    steps = min(cfg.optimizer_steps_per_generation, n_groups)
+    accumulation = max(1, min(cfg.gradient_accumulation_steps, n_groups // steps))
+    return steps * accumulation, accumulation
 
 
 def grpo_update(
@@ -139,95 +165,114 @@ def grpo_update(
     optimizer: torch.optim.Optimizer,
     scheduler,
     batch: UpdateBatch,
+    config: UpdateConfig | None = None,
     *,
-    steps_per_generation: int = 1,
-    num_iterations: int = 1,
     ref_model=None,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "dapo",
-    max_completion_length: int | None = None,
-    importance_sampling_level: str = "token",
-    kl_estimator: str = "k3",
-    use_bias_correction_kl: bool = False,
-    objective: str = "clip",
-    delta: float | None = None,
-    clip_ratio_c: float | None = None,
-    top_entropy_quantile: float = 1.0,
-    engine_correction: dict | None = None,
-    temperature: float = 1.0,
-    max_grad_norm: float = 1.0,
     on_step: Callable[[dict], None] | None = None,
 ) -> list[dict]:
-    """Run ``steps_per_generation * num_iterations`` optimizer steps on ``batch``.
+    """Optimizer steps on one generation batch; returns one metrics dict per optimizer step.
 
-    Each step takes a slice of whole groups (rows are group-contiguous: the rollout stage
-    writes prompt-major order). ``engine_correction`` (``mode``, ``clip_min``, ``clip_max``)
-    reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``
-    (TRL's vLLM importance-sampling correction). Returns per-step metrics.
+    As TRL (see :class:`~grpo_core.loss_config.UpdateConfig`): ``steps_per_generation``
+    micro-batches of whole groups (rows are group-contiguous: the rollout stage writes
+    prompt-major order), ``num_iterations`` passes, an optimizer step every
+    ``gradient_accumulation_steps`` micro-batches. Each micro-batch's loss is divided as TRL
+    does (:func:`grpo_core.losses.micro_batch_normaliser`). ``config.engine_correction``
+    reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``.
     """
-    if beta > 0 and ref_model is None:
+    cfg = config or UpdateConfig()
+    loss_cfg = cfg.loss
+    if loss_cfg.beta > 0 and ref_model is None:
         raise ValueError("beta > 0 needs a reference model")
-    if engine_correction is not None and batch.sampling_logp is None:
+    if cfg.engine_correction is not None and batch.sampling_logp is None:
         raise ValueError("engine_correction needs the rollout engine's log-probs (sampling_logp)")
-    slices = batch.step_slices(steps_per_generation)
+    n_groups = batch.size if batch.group_ids is None else len(torch.unique(batch.group_ids))
+    micro, accumulation = _accumulation_plan(cfg, n_groups)
+    slices = batch.step_slices(micro)
+    if cfg.disable_dropout:
+        disable_dropout(model)
+        if ref_model is not None:
+            disable_dropout(ref_model)
     device = model.device
-    reuse = needs_old_logprobs(num_iterations, steps_per_generation, engine_correction is not None)
+    model.train()  # old log-probs see the model exactly as the loss's forward does
+    reuse = needs_old_logprobs(
+        cfg.num_iterations, micro // accumulation, cfg.engine_correction is not None
+    )
+    temperature = cfg.temperature
     old_logp = batched_logprobs(model, batch, temperature=temperature) if reuse else None  # [N, T]
-    ref_logp = batched_logprobs(ref_model, batch, temperature=temperature) if beta > 0 else None
+    ref_logp = None
+    if loss_cfg.beta > 0:
+        ref_model.eval()
+        ref_logp = batched_logprobs(ref_model, batch, temperature=temperature)  # [N, T]
     is_weights, is_metrics = None, {}
-    if engine_correction is not None:
+    if cfg.engine_correction is not None:
+        c = cfg.engine_correction
         is_weights, is_metrics = engine_importance_weights(
-            old_logp, batch.sampling_logp, batch.completion_mask, **engine_correction
+            old_logp,
+            batch.sampling_logp,
+            batch.completion_mask,
+            mode=c.mode,
+            clip_min=c.clip_min,
+            clip_max=c.clip_max,
         )  # [N, T] or [N, 1]
-    model.train()
-    history = []
-    for _ in range(num_iterations):
-        for idx in slices:
+    batch_tokens = batch.completion_mask.sum()  # dapo's normaliser: the generation batch's tokens
+    history: list[dict] = []
+    window: list[dict] = []
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(cfg.num_iterations):
+        for j, idx in enumerate(slices):
             mb = batch.slice(idx)
             logp, entropy = completion_logprobs(
                 model, mb, temperature=temperature, with_entropy=True
-            )
+            )  # [n, T] each
             mask = mb.completion_mask.to(device)  # [n, T]
             token_weights = None
-            if top_entropy_quantile < 1.0:
-                token_weights = top_entropy_mask(entropy, mask, top_entropy_quantile).float()
+            if cfg.top_entropy_quantile < 1.0:
+                token_weights = top_entropy_mask(entropy, mask, cfg.top_entropy_quantile).float()
             loss, metrics = policy_loss(
                 logp,
                 None if old_logp is None else old_logp[idx].to(device),
                 mb.advantages.to(device),
                 mask,
+                loss_cfg,
                 ref_logp=None if ref_logp is None else ref_logp[idx].to(device),
-                beta=beta,
-                epsilon=epsilon,
-                epsilon_high=epsilon_high,
-                loss_type=loss_type,
-                max_completion_length=max_completion_length,
-                importance_sampling_level=importance_sampling_level,
-                kl_estimator=kl_estimator,
-                use_bias_correction_kl=use_bias_correction_kl,
-                objective=objective,
-                delta=delta,
-                clip_ratio_c=clip_ratio_c,
+                num_items_in_batch=micro_batch_normaliser(
+                    loss_cfg.loss_type, mask, batch_tokens, accumulation
+                ),
                 token_weights=token_weights,
                 importance_sampling_ratio=None
                 if is_weights is None
                 else is_weights[idx].to(device),
             )
-            metrics.update(is_metrics)
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            metrics["loss"] = float(loss.detach())
+            metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+            window.append(metrics)
+            if (j + 1) % accumulation:
+                continue
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-            metrics["loss"] = float(loss.detach())
-            metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
-            metrics["grad_norm"] = float(grad_norm)
-            metrics["learning_rate"] = optimizer.param_groups[0]["lr"]
-            history.append(metrics)
+            optimizer.zero_grad(set_to_none=True)
+            step = _window_metrics(window)
+            step.update(is_metrics)
+            step["grad_norm"] = float(grad_norm)
+            step["learning_rate"] = optimizer.param_groups[0]["lr"]
+            history.append(step)
+            window = []
             if on_step is not None:
-                on_step(metrics)
+                on_step(step)
     model.eval()
     return history
+
+
+SUMMED_METRICS = ("loss", "policy_loss")  # parts of one step's objective; the rest are means
+
+
+def _window_metrics(window: list[dict]) -> dict:
+    """One optimizer step's metrics from its micro-batches'."""
+    out = {}
+    for key in window[0]:
+        values = [m[key] for m in window]
+        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    return out

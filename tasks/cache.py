@@ -1,4 +1,4 @@
-"""Content-addressed stage cache (DESIGN.md "Stage semantics").
+"""Content-addressed stage cache (docs/architecture.md, "Cache keys").
 
 A stage's key is the hash of: its config section, the content hashes of its input files,
 and the code version (a hash of the grpo_core and tasks sources, the code that computes a
@@ -11,6 +11,7 @@ the same key whose outputs still exist returns the recorded result instead of re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -98,10 +99,11 @@ def cached(
     *,
     force: bool = False,
     outputs: list[str | Path] | None = None,
-) -> dict:
+):
     """Return the recorded result for ``key`` or run ``compute()`` and record its result.
 
-    The returned dict carries ``cached: True|False`` so flows and logs can say what ran.
+    ``compute`` returns a dataclass with a ``cached`` field (tasks/results.py), or a dict;
+    the result says ``cached=True|False`` so flows and logs can say what ran.
     """
     from tasks.common import logger
 
@@ -109,7 +111,21 @@ def cached(
         hit = lookup(output, key, outputs=outputs)
         if hit is not None:
             logger(__name__).info("%s: inputs unchanged (key %s), reusing %s", label, key, output)
-            return {**hit, "cached": True}
+            return _with_cached(hit, True)
     result = compute()
-    record(output, key, result)
-    return {**result, "cached": False}
+    typed = dataclasses.is_dataclass(result)
+    body = (
+        {k: v for k, v in dataclasses.asdict(result).items() if k != "cached"} if typed else result
+    )
+    record(output, key, {"type": type(result).__name__, **body} if typed else body)
+    return dataclasses.replace(result, cached=False) if typed else {**result, "cached": False}
+
+
+def _with_cached(hit: dict, cached_: bool):
+    from tasks import results
+
+    kind = hit.get("type")
+    if kind is None:
+        return {**hit, "cached": cached_}
+    cls = getattr(results, kind)
+    return cls(**{k: v for k, v in hit.items() if k != "type"}, cached=cached_)

@@ -80,9 +80,9 @@ def _sample_and_filter(
         check_sync=engine["check_sync"],
         desc="rejection sampling",
     )
-    scored = score_file(roll["path"], str(files.scored), weights)
+    scored = score_file(roll.path, str(files.scored), weights)
     kept = select_completions(
-        read_scored(scored["path"]).to_pylist(),
+        read_scored(scored.path).to_pylist(),
         min_reward=cfg.min_reward,
         max_per_prompt=cfg.max_per_prompt,
         require={k: 1.0 for k in cfg.require},
@@ -99,9 +99,9 @@ def _sample_and_filter(
         "kept": float(len(kept)),
         "acceptance_rate": len(kept) / n,
         "prompts_covered": float(len({r["prompt_id"] for r in kept})),
-        "reward": scored["reward"],
-        **{k: v for k, v in scored.items() if k.startswith("rewards/")},
-        "completions/mean_length": roll["completions/mean_length"],
+        "reward": scored.metrics["reward"],
+        **{k: v for k, v in scored.metrics.items() if k.startswith("rewards/")},
+        "completions/mean_length": roll.metrics["completions/mean_length"],
     }
     logger(__name__).info(
         "rejection sampling: kept %d of %d completions (%.1f%%) over %d prompts",

@@ -10,6 +10,7 @@ import zlib
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from grpo_core.config import RLConfig
 from grpo_core.data import load_rows
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
@@ -17,6 +18,7 @@ from grpo_core.text import encode_prompt
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.results import RolloutResult
 
 
 def cached_rows(path: str) -> list[dict]:
@@ -58,7 +60,7 @@ def sample_rollouts(
     engine_options: dict | None = None,
     check_sync: bool = False,
     desc: str = "rollout",
-) -> dict:
+) -> RolloutResult:
     """Generate with ``engine`` (kept warm, weights synced in memory) and write the rollout
     Parquet; returns path and generation metrics."""
     from grpo_core.generation import SamplingParams
@@ -101,8 +103,7 @@ def sample_rollouts(
     write_parquet(table, out_path)
     lengths = [len(s.completion_ids) for s in samples]
     n_tokens = sum(lengths)
-    return {
-        "path": out_path,
+    metrics = {
         "completions/mean_length": n_tokens / len(samples),
         "completions/min_length": float(min(lengths)),
         "completions/max_length": float(max(lengths)),
@@ -111,6 +112,7 @@ def sample_rollouts(
         "timing/rollout_s": t["seconds"],
         "rollout/tokens_per_s": n_tokens / max(t["seconds"], 1e-9),
     }
+    return RolloutResult(out_path, metrics)
 
 
 HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default engine spec
@@ -123,14 +125,14 @@ def rollout(
     policy_checkpoint: str,
     rl_path: str,
     out_path: str,
-    rl: dict,
+    rl: RLConfig,
     seed: int,
     engine: dict | None = None,
     force: bool = False,
-) -> dict:
+) -> RolloutResult:
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
     engine = engine or HF_ENGINE
-    knobs = {k: rl[k] for k in ROLLOUT_KNOBS}
+    knobs = {k: getattr(rl, k) for k in ROLLOUT_KNOBS}
     key = stage_key(
         "rollout",
         {**knobs, "iteration": iteration, "seed": seed, "stage": stage, "engine": engine["name"]},
@@ -159,22 +161,22 @@ ROLLOUT_KNOBS = (
 
 
 def _rollout(
-    stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine: dict
-) -> dict:
+    stage, iteration, policy_checkpoint, rl_path, out_path, rl: RLConfig, seed, engine: dict
+) -> RolloutResult:
     rl_rows = cached_rows(rl_path)
-    idx = select_prompts(len(rl_rows), rl["prompts_per_iteration"], iteration, seed, stage)
+    idx = select_prompts(len(rl_rows), rl.prompts_per_iteration, iteration, seed, stage)
     out = sample_rollouts(
         policy_checkpoint,
         [rl_rows[i] for i in idx],
         out_path,
-        num_generations=rl["num_generations"],
-        temperature=rl["temperature"],
-        top_p=rl["top_p"],
-        top_k=rl["top_k"],
-        min_p=rl["min_p"],
-        repetition_penalty=rl["repetition_penalty"],
-        stop=rl["stop"],
-        max_completion_length=rl["max_completion_length"],
+        num_generations=rl.num_generations,
+        temperature=rl.temperature,
+        top_p=rl.top_p,
+        top_k=rl.top_k,
+        min_p=rl.min_p,
+        repetition_penalty=rl.repetition_penalty,
+        stop=rl.stop,
+        max_completion_length=rl.max_completion_length,
         iteration=iteration,
         seed=seed * 100_003 + iteration,
         engine=engine["name"],
@@ -186,8 +188,8 @@ def _rollout(
         "%s iteration %d: %d completions, mean length %.1f, %.1fs",
         stage,
         iteration,
-        len(idx) * rl["num_generations"],
-        out["completions/mean_length"],
-        out["timing/rollout_s"],
+        len(idx) * rl.num_generations,
+        out.metrics["completions/mean_length"],
+        out.metrics["timing/rollout_s"],
     )
     return out

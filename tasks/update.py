@@ -10,23 +10,25 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.checkpoint import save_checkpoint
+from grpo_core.config import RLConfig
 from grpo_core.rollouts import group_ids, read_scored
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.results import UpdateResult
 
 
 def update_from_file(
     policy_checkpoint: str,
     scored_path: str,
     out_checkpoint: str,
-    rl: dict,
+    rl: RLConfig,
     *,
     reference_checkpoint: str | None = None,
     global_step: int = 0,
     total_steps: int | None = None,
     on_step=None,
-) -> dict:
+) -> UpdateResult:
     import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core.sampling_filters import dynamic_sampling_mask
@@ -35,21 +37,14 @@ def update_from_file(
 
     table = read_scored(scored_path)
     cols = table.select(
-        [
-            "prompt_ids",
-            "completion_ids",
-            "completion_logprobs",
-            "advantage",
-            "finish_reason",
-            "reward",
-        ]
+        ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
     ).to_pydict()
-    gids = group_ids(table)
+    gids = group_ids(table, scored_path)
     keep = list(range(table.num_rows))
     extra: dict[str, float] = {}
-    if rl["dynamic_sampling"]:  # DAPO: groups with equal rewards carry no signal
+    if rl.dynamic_sampling:  # DAPO: groups without reward variance carry no signal
         informative = dynamic_sampling_mask(
-            torch.tensor(cols["reward"], dtype=torch.float64), torch.tensor(gids)
+            torch.tensor(cols["advantage"], dtype=torch.float64), torch.tensor(gids)
         )
         keep = informative.nonzero().squeeze(-1).tolist()
         extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
@@ -65,35 +60,25 @@ def update_from_file(
             pick("advantage"),
             tok.pad_token_id,
             truncated=[r == "length" for r in pick("finish_reason")]
-            if rl["mask_truncated_completions"]
+            if rl.mask_truncated_completions
             else None,
             group_ids=[gids[i] for i in keep],
             sampling_logprobs=pick("completion_logprobs")
-            if rl["vllm_importance_sampling_correction"]
+            if rl.vllm_importance_sampling_correction
             else None,
         )
-        opt = warm.optimizer_for(
-            w, learning_rate=rl["learning_rate"], weight_decay=rl["weight_decay"]
-        )
-        total = total_steps or (global_step + rl["steps_per_generation"] * rl["num_iterations"])
+        opt = warm.optimizer_for(w, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay)
+        steps = rl.optimizer_steps_per_generation * rl.num_iterations
+        total = total_steps or (global_step + steps)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(rl["warmup_steps"], total, rl["lr_scheduler_type"]), last_epoch=-1
+            opt, lr_lambda(rl.warmup_steps, total, rl.lr_scheduler_type), last_epoch=-1
         )
         for _ in range(global_step):  # position the schedule at this iteration's first step
             sched.step()
-        ref = warm.get(reference_checkpoint, slot="reference").model if rl["beta"] > 0 else None
-        n_groups = len(set(batch.group_ids.tolist()))
+        ref = warm.get(reference_checkpoint, slot="reference").model if rl.beta > 0 else None
         with timer() as t:
             history = grpo_update(
-                w.model,
-                opt,
-                sched,
-                batch,
-                steps_per_generation=min(rl["steps_per_generation"], n_groups),
-                num_iterations=rl["num_iterations"],
-                ref_model=ref,
-                **loss_options(rl),
-                on_step=on_step,
+                w.model, opt, sched, batch, rl.update_config(), ref_model=ref, on_step=on_step
             )
     else:
         logger(__name__).warning(
@@ -119,40 +104,7 @@ def update_from_file(
         logger(__name__).warning("%d update steps had a non-finite loss", len(bad))
     for h in history:
         h.update(extra)
-    return {
-        "checkpoint": out_checkpoint,
-        "global_step": step,
-        "history": history,
-        "timing/update_s": t["seconds"],
-    }
-
-
-def loss_options(rl: dict) -> dict:
-    """The RL config section turned into ``grpo_update`` keyword arguments."""
-    engine = None
-    if rl["vllm_importance_sampling_correction"]:
-        engine = {
-            "mode": rl["vllm_importance_sampling_mode"],
-            "clip_min": rl["vllm_importance_sampling_clip_min"],
-            "clip_max": rl["vllm_importance_sampling_clip_max"],
-        }
-    keys = (
-        "beta",
-        "epsilon",
-        "epsilon_high",
-        "loss_type",
-        "max_completion_length",
-        "importance_sampling_level",
-        "kl_estimator",
-        "use_bias_correction_kl",
-        "objective",
-        "delta",
-        "clip_ratio_c",
-        "top_entropy_quantile",
-        "temperature",
-        "max_grad_norm",
-    )
-    return {**{k: rl[k] for k in keys}, "engine_correction": engine}
+    return UpdateResult(out_checkpoint, step, history, t["seconds"])
 
 
 @task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
@@ -162,20 +114,20 @@ def update(
     policy_checkpoint: str,
     scored_path: str,
     out_checkpoint: str,
-    rl: dict,
+    rl: RLConfig,
     *,
     reference_checkpoint: str | None = None,
     global_step: int = 0,
     total_steps: int | None = None,
     force: bool = False,
-) -> dict:
-    knobs = {k: v for k, v in rl.items() if k not in ("eval_every", "iterations")}
-    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl["beta"] > 0 else [])
+) -> UpdateResult:
+    knobs = rl.model_dump(exclude={"eval_every", "iterations"})
+    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
     key = stage_key(
         "update", {**knobs, "global_step": global_step, "total_steps": total_steps}, inputs
     )
 
-    def compute() -> dict:
+    def compute() -> UpdateResult:
         out = update_from_file(
             policy_checkpoint,
             scored_path,
@@ -185,19 +137,15 @@ def update(
             global_step=global_step,
             total_steps=total_steps,
         )
-        last = (
-            out["history"][-1]
-            if out["history"]
-            else {"loss": float("nan"), "entropy": float("nan")}
-        )
+        last = out.history[-1] if out.history else {"loss": math.nan, "entropy": math.nan}
         logger(__name__).info(
             "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
             stage,
             iteration,
-            len(out["history"]),
+            len(out.history),
             last["loss"],
             last["entropy"],
-            out["timing/update_s"],
+            out.seconds,
         )
         return out
 

@@ -4,8 +4,9 @@ A reward function that raises on the batch is retried row by row, so one bad row
 score, not the batch; its error is recorded per row (``"ValueError: ..."``) and the row's score
 is ``None``. Coroutine functions are awaited concurrently with each other.
 
-``total`` follows TRL's ``nansum``: the weighted sum over the functions that gave a number for
-the row; a row where every function gave ``None`` (or failed) totals ``0.0``.
+``total`` follows TRL: the weighted ``nansum`` over the functions that gave a number for the
+row; a row where every function gave ``None`` (or failed) is unscorable and totals ``None``
+(one rule, ``grpo_core.advantages.weighted_reward_sum``, shared with the advantages).
 """
 
 from __future__ import annotations
@@ -28,21 +29,21 @@ class ScoreResult:
     per_function: name -> one score per row (``None``: not applicable, failed, or non-number).
     errors:       name -> one error string per row (``None`` where the function succeeded),
                   e.g. ``"ValueError: bad gold answer"``.
-    total:        weighted sum per row over non-``None`` scores (TRL's ``nansum``; 0.0 when
-                  every function gave ``None``).
+    total:        weighted sum per row over non-``None`` scores (TRL's ``nansum``; ``None``
+                  when every function gave ``None``).
     weights:      the weights used, by function name.
     """
 
     per_function: dict[str, list[float | None]]
     errors: dict[str, list[str | None]]
-    total: list[float]
+    total: list[float | None]
     weights: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """TRL-named metrics: ``reward``, ``reward_std``, ``rewards/<fn>/mean``, ``/std``,
-        and ``rewards/<fn>/error_rate`` (only the finite ones are reported)."""
+        """Per-function metrics with TRL's names: ``rewards/<fn>/mean``, ``/std`` (over the rows
+        the function scored) and ``rewards/<fn>/error_rate``. The batch's ``reward`` and
+        ``reward_std`` come from ``grpo_core.advantages.group_stats``, with the group metrics."""
         out: dict[str, float] = {}
-        out["reward"], out["reward_std"] = _mean_std(self.total)
         for name, scores in self.per_function.items():
             mean, std = _mean_std([s for s in scores if s is not None])
             out[f"rewards/{name}/mean"] = mean
@@ -238,10 +239,30 @@ def score_completions(
 
     per_function = {name: per_function[name] for name in weights}  # config order
     errors = {name: errors[name] for name in weights}
-    total = [
-        float(
-            sum(weights[name] * s for name in weights if (s := per_function[name][i]) is not None)
-        )
-        for i in range(n)
-    ]
-    return ScoreResult(per_function, errors, total, {k: float(v) for k, v in weights.items()})
+    w = {k: float(v) for k, v in weights.items()}
+    return ScoreResult(per_function, errors, weighted_total(per_function, w, n), w)
+
+
+def reward_matrix(
+    per_function: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], n: int
+):
+    """``(rewards_per_func[N, K], weights[K])`` as float64 tensors in ``weights`` order, NaN
+    where a function gave ``None``: the input of ``grpo_core.advantages.compute_multi``."""
+    import torch  # here: importing the reward library stays light
+
+    names = list(weights)
+    matrix = torch.tensor(
+        [[math.nan if (s := per_function[k][i]) is None else s for k in names] for i in range(n)],
+        dtype=torch.float64,
+    ).reshape(n, len(names))  # [N, K]
+    return matrix, torch.tensor([weights[k] for k in names], dtype=torch.float64)  # [K]
+
+
+def weighted_total(
+    per_function: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], n: int
+) -> list[float | None]:
+    """Per-row weighted sum of the scores, ``None`` for unscorable rows (see module doc)."""
+    from grpo_core.advantages import weighted_reward_sum
+
+    total = weighted_reward_sum(*reward_matrix(per_function, weights, n))  # [N]
+    return [None if math.isnan(t) else t for t in total.tolist()]

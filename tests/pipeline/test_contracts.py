@@ -23,7 +23,7 @@ def rollouts(tiny_checkpoint, tmp_path):
         iteration=5,
         seed=0,
     )
-    return out["path"]
+    return out.path
 
 
 def test_rollout_parquet_has_the_contract_columns(rollouts):
@@ -38,14 +38,14 @@ def test_rollout_parquet_has_the_contract_columns(rollouts):
         assert r["iteration"] == 5
     assert [r["sample_idx"] for r in d[:3]] == [0, 1, 2]
     meta = read_metadata_of(t)
-    assert meta["schema_version"] == "1" and meta["engine"] == "hf" and meta["sampling"]["n"] == 3
+    assert meta["schema_version"] == "2" and meta["engine"] == "hf" and meta["sampling"]["n"] == 3
 
 
 def test_scoring_writes_a_new_file_and_leaves_rollouts_untouched(rollouts, tmp_path):
     before = file_sha256(rollouts)
     out = score_file(rollouts, str(tmp_path / "scored.parquet"), {"accuracy": 1.0, "format": 0.1})
     assert file_sha256(rollouts) == before
-    t = pq.read_table(out["path"])
+    t = pq.read_table(out.path)
     for col in (
         "reward_accuracy",
         "reward_format",
@@ -55,10 +55,10 @@ def test_scoring_writes_a_new_file_and_leaves_rollouts_untouched(rollouts, tmp_p
         "advantage",
     ):
         assert col in t.column_names
-    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/accuracy/mean"} <= set(out)
-    # advantages are zero-mean within each prompt's group
+    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/accuracy/mean"} <= set(out.metrics)
+    # advantages are zero-mean within each group (one drawn prompt of one iteration)
     df = t.to_pandas()
-    assert df.groupby("prompt_id")["advantage"].sum().abs().max() < 1e-4
+    assert df.groupby(["iteration", "group_idx"])["advantage"].sum().abs().max() < 1e-4
 
 
 def test_a_failing_reward_function_is_recorded_not_fatal(rollouts, tmp_path):
@@ -69,7 +69,7 @@ def test_a_failing_reward_function_is_recorded_not_fatal(rollouts, tmp_path):
     out = score_file(
         rollouts, str(tmp_path / "scored.parquet"), {"always_fails": 1.0, "format": 1.0}
     )
-    t = pq.read_table(out["path"]).to_pandas()
+    t = pq.read_table(out.path).to_pandas()
     assert t["error_always_fails"].str.contains("RuntimeError: reward service unavailable").all()
     assert t["reward_always_fails"].isna().all()
     assert t["reward_format"].notna().all()

@@ -48,7 +48,7 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
     ):
         assert m in rl1.data.metrics, m
     assert len(client.get_metric_history(rl1.info.run_id, "loss")) == 4  # 2 iterations x 2 steps
-    assert rl1.data.params["loss_type"] == "dapo"
+    assert rl1.data.params["loss_type"] == "bnpo"  # the demo preset
 
     # tags for MLflow's compare view and search_runs filters
     assert parent.data.tags["config_hash"] and parent.data.tags["policy_id"]

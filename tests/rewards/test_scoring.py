@@ -27,16 +27,16 @@ def test_builtin_weighted_total():
     assert all(e is None for errs in res.errors.values() for e in errs)
     m = res.metrics()
     assert m["rewards/accuracy/mean"] == pytest.approx(1 / 3)
-    assert m["reward"] == pytest.approx(2.5 / 4)
+    assert "reward" not in m  # the batch's reward metrics come from advantages.group_stats
     assert m["rewards/format/error_rate"] == 0.0
 
 
-def test_all_none_row_totals_zero():
+def test_all_none_row_is_unscorable():
     def nothing(prompts, completions, **_):
         return [None] * len(completions)
 
     res = score_completions(["p"], ["c"], {}, {"n": 2.0}, functions={"n": nothing})
-    assert res.total == [0.0]
+    assert res.total == [None]  # as advantages.weighted_reward_sum: NaN, left out of statistics
     assert res.per_function["n"] == [None]
 
 
@@ -58,7 +58,7 @@ def test_failing_rows_are_isolated():
     )
     assert res.per_function["picky"] == [1.0, None, 0.0]
     assert res.errors["picky"] == [None, "ValueError: cannot use gold 'bad'", None]
-    assert res.total == [1.0, 0.0, 0.0]
+    assert res.total == [1.0, None, 0.0]
 
 
 def test_wrong_length_and_non_numbers_are_errors():
@@ -78,7 +78,7 @@ def test_wrong_length_and_non_numbers_are_errors():
     assert "returned str" in res.errors["stringy"][0]
     assert res.errors["stringy"][2] is None  # NaN means "not applicable", as in TRL
     assert "inf" in res.errors["stringy"][3]
-    assert res.total == [0.0, 2.0, 0.0, 0.0]
+    assert res.total == [None, 2.0, None, None]
 
 
 def test_async_functions_run_concurrently():

@@ -1,0 +1,69 @@
+"""Typed settings of the GRPO loss and update, built once from the RL config section.
+
+Plain frozen dataclasses with TRL's names, without torch, so building them costs nothing:
+``RLConfig.update_config()`` makes one, ``grpo_core.update.grpo_update`` and
+``grpo_core.losses.policy_loss`` read it. A notebook user may build them by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The knobs of :func:`grpo_core.losses.policy_loss` (see its docstring for each)."""
+
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    max_completion_length: int | None = None
+    importance_sampling_level: str = "token"
+    kl_estimator: str = "k3"
+    use_bias_correction_kl: bool = False
+    objective: str = "clip"
+    delta: float | None = None
+    clip_ratio_c: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCorrection:
+    """TRL's vLLM importance-sampling correction (``grpo_core.importance``)."""
+
+    mode: str = "sequence_mask"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpdateConfig:
+    """How one generation batch becomes optimizer steps (:func:`grpo_core.update.grpo_update`).
+
+    As TRL: the batch is cut into ``steps_per_generation`` micro-batches of whole groups, each
+    pass (``num_iterations`` of them) runs them in order, and the optimizer steps after every
+    ``gradient_accumulation_steps`` micro-batches, so a generation batch gives
+    ``steps_per_generation * num_iterations / gradient_accumulation_steps`` optimizer steps.
+    """
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    steps_per_generation: int = 1
+    gradient_accumulation_steps: int = 1
+    num_iterations: int = 1
+    top_entropy_quantile: float = 1.0
+    temperature: float = 1.0
+    max_grad_norm: float = 1.0
+    disable_dropout: bool = True
+    engine_correction: EngineCorrection | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps_per_generation % self.gradient_accumulation_steps:
+            raise ValueError(
+                f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "
+                f"gradient_accumulation_steps ({self.gradient_accumulation_steps})"
+            )
+
+    @property
+    def optimizer_steps_per_generation(self) -> int:
+        """Optimizer steps of one pass over the generation batch."""
+        return self.steps_per_generation // self.gradient_accumulation_steps
