@@ -55,7 +55,9 @@ def test_scoring_writes_a_new_file_and_leaves_rollouts_untouched(rollouts, tmp_p
         "advantage",
     ):
         assert col in t.column_names
-    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/accuracy/mean"} <= set(out.metrics)
+    assert {"reward", "reward_std", "frac_reward_zero_std", "rewards/accuracy/mean"} <= set(
+        out.metrics
+    )
     # advantages are zero-mean within each group (one drawn prompt of one iteration)
     df = t.to_pandas()
     assert df.groupby(["iteration", "group_idx"])["advantage"].sum().abs().max() < 1e-4
