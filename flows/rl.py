@@ -4,8 +4,10 @@ with a held-out eval every ``eval_every`` iterations and at the end.
 Each iteration's rollouts, scores and checkpoint land under ``<stage>/iter_NNNN/``; the
 policy stays warm in this process between tasks (tasks/warm.py). The stage's final policy is
 copied to ``checkpoints/<stage>``. Departures from DeepSeek-R1's GRPO: one generation batch
-feeds ``steps_per_generation`` optimizer steps (TRL's setting of the same name), beta = 0 by
-default (no reference model, as DAPO and TRL's default), constant learning rate.
+feeds ``steps_per_generation / gradient_accumulation_steps`` optimizer steps (TRL's settings of
+the same names; the demo takes 4), beta = 0 by default (no reference model, as DAPO and TRL's
+default), and the learning-rate schedule is ``rl.lr_scheduler_type`` (constant by default)
+over the stage's optimizer steps.
 """
 
 from __future__ import annotations
