@@ -1,6 +1,11 @@
-"""Stage caching: same inputs -> the recorded result; changed inputs or force -> recompute."""
+"""Stage caching (tasks/cache.py): a stage's key is its config + the content of its inputs +
+the code version; the same key with its outputs on disk returns the recorded result without
+running the stage; a changed input, config or code version, a missing output or ``force``
+runs it again."""
 
+import json
 import os
+import shutil
 
 import pytest
 
@@ -8,10 +13,136 @@ from grpo_core.config import RLConfig, SFTConfig
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
 from tasks import cache
+from tasks import score as score_module
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
 from tasks.tracking import Tracking
+
+
+class Stage:
+    """A stage body that writes its output and counts how often it ran."""
+
+    def __init__(self, output):
+        self.output = output
+        self.calls = 0
+
+    def __call__(self) -> dict:
+        self.calls += 1
+        self.output.write_text(f"run {self.calls}")
+        return {"path": str(self.output), "value": float(self.calls)}
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    return data
+
+
+def test_unchanged_key_reuses_the_record_without_running_the_stage(inputs, tmp_path):
+    stage = Stage(tmp_path / "out.parquet")
+    key = cache.stage_key("score", {"rewards": {"format": 1.0}}, [inputs])
+    first = cache.cached("score", stage.output, key, stage)
+    again = cache.cached("score", stage.output, key, stage)
+    assert stage.calls == 1
+    assert first == {"path": str(stage.output), "value": 1.0, "cached": False}
+    assert again == {**first, "cached": True}
+    assert stage.output.read_text() == "run 1"  # not rewritten
+    manifest = json.loads(cache.manifest_path(stage.output).read_text())
+    assert manifest["key"] == key and manifest["code_version"] == cache.code_version()
+    # the key is recomputed from scratch each time: same config and same bytes, same key
+    assert cache.stage_key("score", {"rewards": {"format": 1.0}}, [inputs]) == key
+
+
+def test_changed_input_file_changes_the_key_and_reruns(inputs, tmp_path):
+    stage = Stage(tmp_path / "out.parquet")
+    key = cache.stage_key("score", {}, [inputs])
+    cache.cached("score", stage.output, key, stage)
+    inputs.write_text('{"prompt": "1+2", "answer": "3"}\n')
+    changed = cache.stage_key("score", {}, [inputs])
+    assert changed != key
+    assert cache.cached("score", stage.output, changed, stage)["cached"] is False
+    assert stage.calls == 2
+    assert cache.cached("score", stage.output, changed, stage)["cached"] is True
+    assert stage.calls == 2
+
+
+def test_the_key_is_the_content_not_the_path(inputs, tmp_path):
+    copy = tmp_path / "elsewhere" / "renamed.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(inputs, copy)
+    os.utime(copy, ns=(1, 1))  # another mtime too: only the bytes count
+    assert cache.stage_key("rollout", {"a": 1}, [copy]) == cache.stage_key(
+        "rollout", {"a": 1}, [inputs]
+    )
+    assert cache.stage_key("rollout", {"a": 1}, [inputs]) != cache.stage_key(
+        "update", {"a": 1}, [inputs]
+    )
+
+
+def test_changed_config_changes_the_key_and_reruns(inputs, tmp_path):
+    stage = Stage(tmp_path / "out.parquet")
+    weights = {"accuracy": 1.0, "format": 0.1}
+    cache.cached("score", stage.output, cache.stage_key("score", weights, [inputs]), stage)
+    reweighted = cache.stage_key("score", {**weights, "format": 0.2}, [inputs])
+    assert cache.cached("score", stage.output, reweighted, stage)["cached"] is False
+    assert stage.calls == 2
+
+
+def test_changed_code_version_changes_the_key_and_reruns(inputs, tmp_path, monkeypatch):
+    stage = Stage(tmp_path / "out.parquet")
+    key = cache.stage_key("score", {}, [inputs])
+    cache.cached("score", stage.output, key, stage)
+    monkeypatch.setattr(cache, "code_version", lambda: "another-version")
+    new_code = cache.stage_key("score", {}, [inputs])
+    assert new_code != key
+    assert cache.cached("score", stage.output, new_code, stage)["cached"] is False
+    assert stage.calls == 2
+
+
+def test_code_version_hashes_the_grpo_core_and_tasks_sources(tmp_path, monkeypatch):
+    """A fake source tree: editing or adding a module of grpo_core/ or tasks/ changes the
+    version; editing flows/ (wiring only, every input passed explicitly) does not."""
+    for rel in ("grpo_core/losses.py", "tasks/cache.py", "flows/r1.py"):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(f"# {rel}\n")
+    monkeypatch.setattr(cache, "__file__", str(tmp_path / "tasks" / "cache.py"))
+    version = cache.code_version.__wrapped__  # the computation, without the process memo
+
+    v0 = version()
+    assert version() == v0
+    (tmp_path / "flows" / "r1.py").write_text("# the CLI changed\n")
+    assert version() == v0
+    (tmp_path / "grpo_core" / "losses.py").write_text("# the loss changed\n")
+    v1 = version()
+    assert v1 != v0
+    (tmp_path / "tasks" / "score.py").write_text("# a new task module\n")
+    assert version() not in (v0, v1)
+
+
+def test_missing_output_broken_manifest_or_force_reruns(inputs, tmp_path):
+    stage = Stage(tmp_path / "out.parquet")
+    extra = tmp_path / "out.extra"
+    extra.write_text("x")
+    key = cache.stage_key("update", {}, [inputs])
+    cache.cached("update", stage.output, key, stage, outputs=[extra])
+    assert cache.cached("update", stage.output, key, stage, force=True)["cached"] is False
+    assert stage.calls == 2
+    stage.output.unlink()
+    assert cache.cached("update", stage.output, key, stage, outputs=[extra])["cached"] is False
+    assert stage.calls == 3
+    extra.unlink()  # another output of the stage is gone
+    assert cache.cached("update", stage.output, key, stage, outputs=[extra])["cached"] is False
+    assert stage.calls == 4
+    cache.manifest_path(stage.output).write_text("{not json")
+    assert cache.cached("update", stage.output, key, stage)["cached"] is False
+    assert stage.calls == 5
+    assert cache.cached("update", stage.output, key, stage)["cached"] is True
+    assert stage.calls == 5
+
+
+# The same rules through the real stage tasks.
 
 
 @pytest.fixture
@@ -21,40 +152,59 @@ def rl_path(tmp_path):
     )
 
 
-def test_rollout_and_score_are_reused_until_an_input_changes(tiny_checkpoint, rl_path, tmp_path):
-    knobs = RLConfig(
-        prompts_per_iteration=2, num_generations=2, steps_per_generation=1, max_completion_length=6
-    ).model_dump()
+def _rl(**overrides) -> RLConfig:
+    return RLConfig(
+        prompts_per_iteration=2,
+        num_generations=2,
+        steps_per_generation=1,
+        max_completion_length=6,
+        **overrides,
+    )
+
+
+def test_rollout_and_score_tasks_are_reused_until_an_input_changes(
+    tiny_checkpoint, rl_path, tmp_path, monkeypatch
+):
+    rl = _rl()
     r_path = str(tmp_path / "r.parquet")
-    first = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, r_path, knobs, 0)
+    first = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, r_path, rl, 0)
     mtime = os.stat(r_path).st_mtime_ns
-    again = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, r_path, knobs, 0)
-    assert not first["cached"] and again["cached"]
+    again = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, r_path, rl, 0)
+    assert not first.cached and again.cached
     assert os.stat(r_path).st_mtime_ns == mtime  # not rewritten
-    assert again["completions/mean_length"] == first["completions/mean_length"]
+    assert again.metrics == first.metrics
     # another iteration or sampling setting is another key
-    assert not rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, knobs, 0)["cached"]
-    assert rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, knobs, 0)["cached"]
-    assert not rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, knobs, 0, force=True)[
-        "cached"
-    ]
+    assert not rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, rl, 0).cached
+    assert rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, rl, 0).cached
+    hotter = _rl(temperature=0.5)
+    assert not rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, hotter, 0).cached
+    forced = rollout.fn("rl_1", 1, str(tiny_checkpoint), rl_path, r_path, hotter, 0, force=True)
+    assert not forced.cached
 
+    calls = []
+    real = score_module.score_file
+    monkeypatch.setattr(
+        score_module, "score_file", lambda *a, **k: calls.append(a) or real(*a, **k)
+    )
     s_path = str(tmp_path / "s.parquet")
-    a = score.fn("rl_1", 0, r_path, s_path, {"format": 1.0}, knobs)
-    b = score.fn("rl_1", 0, r_path, s_path, {"format": 1.0}, knobs)
-    c = score.fn("rl_1", 0, r_path, s_path, {"format": 0.5, "tag_count": 1.0}, knobs)
-    assert (a["cached"], b["cached"], c["cached"]) == (False, True, False)
+    a = score.fn("rl_1", 0, r_path, s_path, {"format": 1.0}, rl)
+    b = score.fn("rl_1", 0, r_path, s_path, {"format": 1.0}, rl)
+    assert (a.cached, b.cached, len(calls)) == (False, True, 1)
+    c = score.fn("rl_1", 0, r_path, s_path, {"format": 0.5, "tag_count": 1.0}, rl)
+    assert (c.cached, len(calls)) == (False, 2)
+    # a new rollout file under the same name is a changed input: scored again
+    rollout.fn("rl_1", 2, str(tiny_checkpoint), rl_path, r_path, rl, 0)
+    d = score.fn("rl_1", 0, r_path, s_path, {"format": 0.5, "tag_count": 1.0}, rl)
+    assert (d.cached, len(calls)) == (False, 3)
 
 
-def test_deleted_output_is_recomputed(tiny_checkpoint, rl_path, tmp_path):
-    knobs = RLConfig(
-        prompts_per_iteration=2, num_generations=2, steps_per_generation=1, max_completion_length=6
-    ).model_dump()
+def test_deleted_rollout_file_is_recomputed(tiny_checkpoint, rl_path, tmp_path):
+    rl = _rl()
     r_path = tmp_path / "r.parquet"
-    rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, str(r_path), knobs, 0)
+    rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, str(r_path), rl, 0)
     r_path.unlink()
-    out = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, str(r_path), knobs, 0)
-    assert not out["cached"] and r_path.exists()
+    out = rollout.fn("rl_1", 0, str(tiny_checkpoint), rl_path, str(r_path), rl, 0)
+    assert not out.cached and r_path.exists()
 
 
 def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, tracking_uri):
@@ -69,6 +219,7 @@ def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, t
     first = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
     second = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
     assert (first["cached"], second["cached"]) == (False, True)
+    assert second["checkpoint"] == first["checkpoint"]
     run = MlflowClient(tracking_uri).get_run(second["run_id"])
     assert run.data.tags["cached"] == "true" and run.data.metrics["steps"] == 5
     changed = sft_stage.fn(
@@ -80,9 +231,3 @@ def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, t
         tracking,
     )
     assert not changed["cached"] and changed["steps"] == 6
-
-
-def test_code_version_and_content_hash_are_stable(tiny_checkpoint, rl_path):
-    assert cache.code_version() == cache.code_version()
-    assert cache.content_hash(rl_path) == cache.content_hash(rl_path)
-    assert cache.stage_key("x", {"a": 1}, [rl_path]) != cache.stage_key("x", {"a": 2}, [rl_path])
