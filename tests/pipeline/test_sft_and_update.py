@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from grpo_core.demo.task import make_splits
+from grpo_core.loss_config import LossConfig, UpdateConfig
 from grpo_core.sft import collate, encode_examples, train_sft
 from grpo_core.update import batched_logprobs, build_batch, grpo_update
 
@@ -67,7 +68,8 @@ def test_update_moves_probability_towards_positive_advantage(tiny_model):
     before = batched_logprobs(model, batch, temperature=1.0)
     seq_before = (before * batch.completion_mask).sum(-1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    hist = grpo_update(model, opt, None, batch, steps_per_generation=1, num_iterations=3)
+    cfg = UpdateConfig(steps_per_generation=1, num_iterations=3)
+    hist = grpo_update(model, opt, None, batch, cfg)
     after = batched_logprobs(model, batch, temperature=1.0)
     seq_after = (after * batch.completion_mask).sum(-1)
     delta = seq_after - seq_before
@@ -89,7 +91,7 @@ def test_zero_advantages_leave_weights_unchanged(tiny_model):
     ref = copy.deepcopy(model.state_dict())
     batch = _batch(tok, [0.0, 0.0, 0.0, 0.0])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    grpo_update(model, opt, None, batch, steps_per_generation=2)
+    grpo_update(model, opt, None, batch, UpdateConfig(steps_per_generation=2))
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref[k]), k
 
@@ -108,8 +110,7 @@ def test_kl_metric_with_reference(tiny_model):
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = _batch(tok, [1.0, -1.0, 1.0, -1.0])
-    hist = grpo_update(
-        model, opt, None, batch, steps_per_generation=1, num_iterations=3, ref_model=ref, beta=0.1
-    )
+    cfg = UpdateConfig(steps_per_generation=1, num_iterations=3, loss=LossConfig(beta=0.1))
+    hist = grpo_update(model, opt, None, batch, cfg, ref_model=ref)
     assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # identical weights at the first step
     assert hist[-1]["kl"] > 0
