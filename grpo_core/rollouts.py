@@ -39,6 +39,8 @@ ROLLOUT_COLUMNS = {
     "policy_id": "content hash of the checkpoint that sampled the row",
     "iteration": "RL iteration (generation batch) that produced the row",
 }
+# Read without them: files from before schema 2 (or from other tools) group by prompt_id.
+OPTIONAL_COLUMNS = ("group_idx",)
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
     "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
@@ -107,7 +109,11 @@ def read_table(path: str | Path, required: dict[str, str] | None = None) -> pa.T
         raise FileNotFoundError(f"{path}: no such Parquet file")
     table = pq.read_table(path)
     required = ROLLOUT_COLUMNS if required is None else required
-    missing = [c for c in required if "<" not in c and c not in table.column_names]
+    missing = [
+        c
+        for c in required
+        if "<" not in c and c not in OPTIONAL_COLUMNS and c not in table.column_names
+    ]
     if missing:
         raise ValueError(
             f"{path}: missing column(s) {', '.join(missing)}; expected the rollout contract "

@@ -131,3 +131,14 @@ def test_overlong_penalty_is_a_reward_column_with_its_own_weight(tmp_path):
             overlong_buffer_length=4,
             max_completion_length=8,
         )
+
+
+def test_a_file_without_group_idx_is_grouped_by_prompt(tmp_path):
+    # written before schema 2, or by another tool: no prompt repeats, so prompt_id groups
+    path = _rollouts(tmp_path / "r.parquet", [[(1.0, 0.0, 4), (0.0, 0.0, 4)]] * 2)
+    old = pq.read_table(path).drop(["group_idx"]).to_pylist()
+    for i, row in enumerate(old):
+        row["prompt_id"] = f"p{i // 2}"
+    pq.write_table(pa.Table.from_pylist(old), tmp_path / "old.parquet")
+    out = score_file(str(tmp_path / "old.parquet"), str(tmp_path / "s.parquet"), _weights(1, 0))
+    assert out.metrics["frac_reward_zero_std"] == 0.0

@@ -96,13 +96,26 @@ def test_zero_advantages_leave_weights_unchanged(tiny_model):
         assert torch.equal(v, ref[k]), k
 
 
-def test_update_rejects_batches_that_split_groups(tiny_model):
+def test_update_never_splits_a_group_and_refuses_interleaved_ones(tiny_model):
     model, tok = tiny_model
+    prompts, completions = [[3, 12, 13, 4]] * 6, [[5, 12, 6, 2], [5, 13, 2], [5, 6, 7, 2]] * 2
+    adv = [1.0, -1.0, 0.5, -0.5, 0.3, -0.3]
+    # three groups of two: two micro-batches hold whole groups, [0, 1, 2, 3] and [4, 5]
+    batch = build_batch(prompts, completions, adv, tok.pad_token_id, group_ids=[0, 0, 1, 1, 2, 2])
+    assert [s.tolist() for s in batch.step_slices(2)] == [[0, 1, 2, 3], [4, 5]]
     opt = torch.optim.AdamW(model.parameters())
+    assert len(grpo_update(model, opt, None, batch, UpdateConfig(steps_per_generation=2))) == 2
+    # a group whose rows are not contiguous would be trained in two steps: refused
+    mixed = build_batch(prompts, completions, adv, tok.pad_token_id, group_ids=[0, 1, 0, 1, 2, 2])
+    with pytest.raises(ValueError, match="contiguous"):
+        grpo_update(model, opt, None, mixed, UpdateConfig(steps_per_generation=2))
+    # without group ids every row is its own group: 3 rows do not make 2 equal steps
     with pytest.raises(ValueError, match="does not split"):
-        grpo_update(model, opt, None, _batch(tok, [1.0, -1.0, 0.5]), steps_per_generation=2)
+        _batch(tok, [1.0, -1.0, 0.5]).step_slices(2)
     with pytest.raises(ValueError, match="reference model"):
-        grpo_update(model, opt, None, _batch(tok, [1.0, -1.0]), beta=0.1)
+        grpo_update(
+            model, opt, None, _batch(tok, [1.0, -1.0]), UpdateConfig(loss=LossConfig(beta=0.1))
+        )
 
 
 def test_kl_metric_with_reference(tiny_model):
