@@ -24,6 +24,7 @@ from flows.summary import publish_stage_artifact
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
+from tasks.results import EvalOutcome
 from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
@@ -84,7 +85,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         seed=cfg.seed,
         force=cfg.forced("cold_start_sft"),
     )
-    ckpts["cold_start_sft"] = sft["checkpoint"]
+    ckpts["cold_start_sft"] = sft.checkpoint
 
     rl1 = timed(
         "rl_1",
@@ -116,7 +117,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         sft_stage,
         "re_sft",
         ckpts["rl_1"],
-        rs["path"],
+        rs.path,
         str(ws.checkpoint("re_sft")),
         cfg.re_sft_config(),
         tracking,
@@ -124,7 +125,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         seed=cfg.seed,
         force=cfg.forced("re_sft"),
     )
-    ckpts["re_sft"] = re["checkpoint"]
+    ckpts["re_sft"] = re.checkpoint
 
     rl2 = timed(
         "rl_2",
@@ -140,11 +141,11 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
     # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
     t0 = time.perf_counter()
     eval_run = tracking.start_child("final_evaluation", config=cfg.eval.model_dump())
-    results: dict[str, dict] = {}
+    results: dict[str, EvalOutcome] = {}
     stage_runs = {
-        "cold_start_sft": sft["run_id"],
+        "cold_start_sft": sft.run_id,
         "rl_1": rl1["run_id"],
-        "re_sft": re["run_id"],
+        "re_sft": re.run_id,
         "rl_2": rl2["run_id"],
     }
     for stage in CHECKPOINT_STAGES:
@@ -158,22 +159,22 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
             engine=cfg.rollout.engine_spec(cfg.eval.engine),
         )
         results[stage] = ev
-        summary_metrics = {k: ev[k] for k in ("accuracy", "format_rate", "mean_length")}
+        summary_metrics = ev.summary_metrics()
         metrics = {f"{stage}/eval/{k}": v for k, v in summary_metrics.items()}
         tracking.log_metrics(parent, metrics)
         tracking.log_metrics(eval_run, metrics)
-        tracking.log_artifact(eval_run, ev["table"], "eval_tables")
+        tracking.log_artifact(eval_run, ev.table, "eval_tables")
         # the stage's own run gets its final held-out numbers, table and sample completions
         tracking.log_metrics(
             stage_runs[stage], {f"final_eval/{k}": v for k, v in summary_metrics.items()}
         )
-        tracking.log_artifact(stage_runs[stage], ev["table"], "eval")
-        tracking.log_json(stage_runs[stage], ev["samples"], "eval_samples.json")
+        tracking.log_artifact(stage_runs[stage], ev.table, "eval")
+        tracking.log_json(stage_runs[stage], ev.samples, "eval_samples.json")
         publish_stage_artifact(
-            stage, summary_metrics, stage_runs[stage], cfg.tracking.uri, ev["samples"]
+            stage, summary_metrics, stage_runs[stage], cfg.tracking.uri, ev.samples
         )
     tracking.log_json(
-        eval_run, {s: results[s]["samples"] for s in CHECKPOINT_STAGES}, "eval_samples.json"
+        eval_run, {s: results[s].samples for s in CHECKPOINT_STAGES}, "eval_samples.json"
     )
     tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0
@@ -181,9 +182,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
     rows = [
         {
             "stage": s,
-            "accuracy": results[s]["accuracy"],
-            "format_rate": results[s]["format_rate"],
-            "mean_length": results[s]["mean_length"],
+            **results[s].summary_metrics(),
             "wall_time_s": timings[s],
             "checkpoint": ckpts[s],
         }
@@ -195,7 +194,7 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
         "tracking_uri": cfg.tracking.uri,
         "workspace": str(ws.root),
         "stages": rows,
-        "rejection_sampling": {k: rs[k] for k in ("sampled", "kept", "acceptance_rate")},
+        "rejection_sampling": {k: rs.metrics[k] for k in ("sampled", "kept", "acceptance_rate")},
         "timings": timings,
         "total_time_s": time.perf_counter() - t_start,
     }
@@ -204,16 +203,13 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
             cfg.tracking.uri,
             parent,
             ckpts["rl_2"],
-            {
-                s: {k: results[s][k] for k in ("accuracy", "format_rate", "mean_length")}
-                for s in CHECKPOINT_STAGES
-            },
+            {s: results[s].summary_metrics() for s in CHECKPOINT_STAGES},
             final_stage="rl_2",
         )
         summary["registered_model"] = f"{mv.name}/{mv.version}"
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
-    tracking.set_tags(parent, {"policy_id": results["rl_2"]["policy_id"]})
+    tracking.set_tags(parent, {"policy_id": results["rl_2"].policy_id})
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
     tracking.log_json(parent, summary, "summary.json")
     tracking.end(parent)

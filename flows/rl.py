@@ -129,10 +129,10 @@ def rl_stage(
                 {
                     "iteration": it,
                     "step": step,
-                    **{k: ev[k] for k in ("accuracy", "format_rate", "mean_length")},
+                    **ev.summary_metrics(),
                 }
             )
-            eval_metrics = {f"eval/{k}": ev[k] for k in ("accuracy", "format_rate", "mean_length")}
+            eval_metrics = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
             metrics.add(eval_metrics, step)
             group.end(step, eval_metrics, policy_id(policy))
             tracking.log_json(run_id, _rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
@@ -141,7 +141,7 @@ def rl_stage(
                 stage,
                 it,
                 step,
-                ev["accuracy"],
+                ev.accuracy,
                 scored.metrics["reward"],
             )
         if not it_cached:  # live curves while training; replayed history goes in one call

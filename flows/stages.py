@@ -126,6 +126,10 @@ def eval_flow(
         "offline", checkpoint, data, cfg.eval, out, engine=cfg.rollout.engine_spec(cfg.eval.engine)
     )
     return {
-        k: res[k]
-        for k in ("accuracy", "format_rate", "mean_length", "num_examples", "table", "cached")
+        "accuracy": res.accuracy,
+        "format_rate": res.format_rate,
+        "mean_length": res.mean_length,
+        "num_examples": res.num_examples,
+        "table": res.table,
+        "cached": res.cached,
     }

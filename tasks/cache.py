@@ -103,7 +103,8 @@ def cached(
     """Return the recorded result for ``key`` or run ``compute()`` and record its result.
 
     ``compute`` returns a dataclass with a ``cached`` field (tasks/results.py), or a dict;
-    the result says ``cached=True|False`` so flows and logs can say what ran.
+    the result says ``cached=True|False`` so flows and logs can say what ran. Fields marked
+    ``NOT_RECORDED`` are not recorded; a hit rebuilds them with their defaults.
     """
     from tasks.common import logger
 
@@ -114,11 +115,18 @@ def cached(
             return _with_cached(hit, True)
     result = compute()
     typed = dataclasses.is_dataclass(result)
-    body = (
-        {k: v for k, v in dataclasses.asdict(result).items() if k != "cached"} if typed else result
-    )
+    body = _record_body(result) if typed else result
     record(output, key, {"type": type(result).__name__, **body} if typed else body)
     return dataclasses.replace(result, cached=False) if typed else {**result, "cached": False}
+
+
+def _record_body(result) -> dict:
+    """The dataclass as recorded: without ``cached`` and the fields marked not to record
+    (``tasks.results.NOT_RECORDED``: the MLflow run id), which a hit rebuilds as defaults."""
+    skip = {"cached"} | {
+        f.name for f in dataclasses.fields(result) if f.metadata.get("record", True) is False
+    }
+    return {k: v for k, v in dataclasses.asdict(result).items() if k not in skip}
 
 
 def _with_cached(hit: dict, cached_: bool):

@@ -13,6 +13,7 @@ from grpo_core.io import write_parquet
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE
 
 
@@ -25,7 +26,7 @@ def evaluate_checkpoint(
     desc: str = "eval",
     force: bool = False,
     engine: dict | None = None,
-) -> dict:
+) -> EvalOutcome:
     """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config).
     ``engine``: ``{"name", "options", "check_sync"}`` (default hf)."""
     engine = engine or HF_ENGINE
@@ -43,7 +44,7 @@ def evaluate_checkpoint(
 
 def _evaluate(
     checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
-) -> dict:
+) -> EvalOutcome:
     from grpo_core.evaluation import evaluate
 
     rows = load_rows(eval_path)
@@ -74,13 +75,13 @@ def _evaluate(
         )
     if out_table:
         write_parquet(pa.Table.from_pylist(result.table), out_table)
-    return {
+    return EvalOutcome(
         **result.summary(),
-        "wall_time_s": t["seconds"],
-        "table": out_table,
-        "policy_id": w.policy_id,
-        "samples": result.table[: cfg.sample_table_rows],
-    }
+        wall_time_s=t["seconds"],
+        table=out_table,
+        policy_id=w.policy_id,
+        samples=result.table[: cfg.sample_table_rows],
+    )
 
 
 @task(name="evaluate", task_run_name="eval-{stage}", cache_policy=NO_CACHE)
@@ -92,7 +93,7 @@ def evaluate_stage(
     out_table: str,
     force: bool = False,
     engine: dict | None = None,
-) -> dict:
+) -> EvalOutcome:
     out = evaluate_checkpoint(
         checkpoint,
         eval_path,
@@ -105,8 +106,8 @@ def evaluate_stage(
     logger(__name__).info(
         "eval %s: accuracy %.3f, format %.3f, mean length %.1f",
         stage,
-        out["accuracy"],
-        out["format_rate"],
-        out["mean_length"],
+        out.accuracy,
+        out.format_rate,
+        out.mean_length,
     )
     return out

@@ -3,6 +3,7 @@ completions, dedupe, write an SFT dataset (JSONL) for re-SFT."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from prefect import task
@@ -16,6 +17,7 @@ from grpo_core.rejection import select_completions, to_sft_rows
 from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
 from tasks.common import logger
+from tasks.results import RejectionResult
 from tasks.rollout import HF_ENGINE, sample_rollouts, select_prompts
 from tasks.score import score_file
 from tasks.tracking import Tracking
@@ -33,7 +35,7 @@ def rejection_sampling(
     seed: int,
     force: bool = False,
     engine: dict | None = None,
-) -> dict:
+) -> RejectionResult:
     engine = engine or HF_ENGINE
     settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
     run_id = tracking.start_child(
@@ -53,16 +55,16 @@ def rejection_sampling(
             checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
         ),
     )
-    tracking.log_metrics(run_id, {k: v for k, v in out.items() if isinstance(v, float)})
+    tracking.log_metrics(run_id, out.metrics)
     tracking.log_artifact(run_id, sft_path)
-    tracking.set_tags(run_id, {"cache_key": key, "cached": str(out["cached"]).lower()})
+    tracking.set_tags(run_id, {"cache_key": key, "cached": str(out.cached).lower()})
     tracking.end(run_id)
-    return {**out, "run_id": run_id}
+    return dataclasses.replace(out, run_id=run_id)
 
 
 def _sample_and_filter(
     checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed, engine
-) -> dict:
+) -> RejectionResult:
     files = SamplingDir(Path(stage_dir))
     rows = load_rows(rl_path)
     idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
@@ -110,4 +112,4 @@ def _sample_and_filter(
         100 * stats["acceptance_rate"],
         int(stats["prompts_covered"]),
     )
-    return {"path": str(sft_path), **stats}
+    return RejectionResult(str(sft_path), stats)

@@ -1,13 +1,18 @@
-"""What the RL iteration tasks return: small typed records, not mixed dicts.
+"""What the stage tasks return: small typed records, not mixed dicts.
 
 ``metrics`` holds only numbers with TRL's names (what goes to MLflow); whether the result
 came from the stage cache is ``cached``, never a metric. The cache (tasks/cache.py) records
-each result as JSON and rebuilds the same type on a hit.
+each result as JSON and rebuilds the same type on a hit. A field marked ``NOT_RECORDED``
+(the MLflow run id, set after the cached call with ``dataclasses.replace``) is left out of
+the record, so a hit never replays another run's id.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+NOT_RECORDED = {"record": False}  # field metadata: not written to the cache manifest
 
 
 @dataclass(frozen=True)
@@ -30,4 +35,51 @@ class UpdateResult:
     global_step: int  # optimizer steps so far in the stage
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per step
     seconds: float = 0.0  # wall time of the optimizer steps
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class SFTResult:
+    checkpoint: str  # the trained policy
+    steps: int  # optimizer steps taken
+    final_loss: float  # training loss of the last step
+    stopped_early: bool  # stopped at SFTConfig.target_accuracy on the dev split
+    wall_time_s: float  # wall time of the training loop
+    train_examples: int  # rows in the SFT data file
+    policy_id: str  # weights hash of ``checkpoint``
+    run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
+    cached: bool = False
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """A checkpoint's held-out greedy evaluation (``grpo_core.evaluation.EvalResult.summary``
+    plus where it came from); named apart from that class, which holds the whole table."""
+
+    accuracy: float  # pass@1: mean of the accuracy reward
+    format_rate: float  # mean of the format reward
+    mean_length: float  # mean completion length in tokens
+    num_examples: float  # rows evaluated (a float, as in EvalResult.summary)
+    wall_time_s: float  # wall time of the evaluation
+    table: str | None  # the per-example Parquet, or None when not written
+    policy_id: str  # weights hash of the evaluated checkpoint
+    samples: list[dict[str, Any]] = field(default_factory=list)  # first rows of the table
+    cached: bool = False
+
+    def summary_metrics(self) -> dict[str, float]:
+        """The three held-out numbers logged per stage (accuracy, format_rate, mean_length)."""
+        return {
+            "accuracy": self.accuracy,
+            "format_rate": self.format_rate,
+            "mean_length": self.mean_length,
+        }
+
+
+@dataclass(frozen=True)
+class RejectionResult:
+    path: str  # the SFT JSONL of kept completions (prompt, completion, answer, ...)
+    # sampled, kept, acceptance_rate, prompts_covered, reward, rewards/<fn>/*,
+    # completions/mean_length
+    metrics: dict[str, float]
+    run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
     cached: bool = False

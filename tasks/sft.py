@@ -6,6 +6,8 @@ rerun records a child run tagged ``cached=true`` with the stored summary and tra
 
 from __future__ import annotations
 
+import dataclasses
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -15,6 +17,7 @@ from grpo_core.data import load_rows
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.results import SFTResult
 from tasks.tracking import Tracking
 
 
@@ -29,7 +32,7 @@ def train_stage(
     max_completion_length=48,
     seed=0,
     on_step=None,
-) -> dict:
+) -> SFTResult:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary."""
     from grpo_core.evaluation import evaluate  # torch: only when the stage really trains
     from grpo_core.sft import train_sft
@@ -82,15 +85,15 @@ def train_stage(
         result.final_loss,
         " (dev target reached)" if result.stopped_early else "",
     )
-    return {
-        "checkpoint": str(out_checkpoint),
-        "steps": result.steps,
-        "final_loss": result.final_loss,
-        "stopped_early": float(result.stopped_early),
-        "wall_time_s": t["seconds"],
-        "train_examples": len(rows),
-        "policy_id": w.policy_id,
-    }
+    return SFTResult(
+        checkpoint=str(out_checkpoint),
+        steps=result.steps,
+        final_loss=result.final_loss,
+        stopped_early=bool(result.stopped_early),
+        wall_time_s=t["seconds"],
+        train_examples=len(rows),
+        policy_id=w.policy_id,
+    )
 
 
 @task(name="sft", task_run_name="{stage}", cache_policy=NO_CACHE)
@@ -106,7 +109,7 @@ def sft_stage(
     max_completion_length: int = 48,
     seed: int = 0,
     force: bool = False,
-) -> dict:
+) -> SFTResult:
     settings = {**cfg.model_dump(), "max_completion_length": max_completion_length, "seed": seed}
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=settings)
     tracking.log_params(run_id, cfg.model_dump())
@@ -142,12 +145,16 @@ def sft_stage(
         ),
     )
     summary = {
-        k: out[k] for k in ("steps", "final_loss", "stopped_early", "wall_time_s", "train_examples")
+        "steps": out.steps,
+        "final_loss": out.final_loss,
+        "stopped_early": float(out.stopped_early),
+        "wall_time_s": out.wall_time_s,
+        "train_examples": out.train_examples,
     }
-    tracking.log_metrics(run_id, summary, out["steps"])
+    tracking.log_metrics(run_id, summary, out.steps)
     tracking.set_tags(
         run_id,
-        {"policy_id": out["policy_id"], "cache_key": key, "cached": str(out["cached"]).lower()},
+        {"policy_id": out.policy_id, "cache_key": key, "cached": str(out.cached).lower()},
     )
     tracking.end(run_id)
-    return {**out, "run_id": run_id}
+    return dataclasses.replace(out, run_id=run_id)

@@ -3,17 +3,20 @@ the code version; the same key with its outputs on disk returns the recorded res
 running the stage; a changed input, config or code version, a missing output or ``force``
 runs it again."""
 
+import dataclasses
 import json
 import os
 import shutil
 
 import pytest
 
-from grpo_core.config import RLConfig, SFTConfig
+from grpo_core.config import EvalConfig, RLConfig, SFTConfig
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
 from tasks import cache
 from tasks import score as score_module
+from tasks.evaluate import evaluate_checkpoint
+from tasks.results import EvalOutcome, SFTResult
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
@@ -218,10 +221,17 @@ def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, t
     out_dir = str(tmp_path / "sft")
     first = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
     second = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
-    assert (first["cached"], second["cached"]) == (False, True)
-    assert second["checkpoint"] == first["checkpoint"]
-    run = MlflowClient(tracking_uri).get_run(second["run_id"])
+    assert isinstance(second, SFTResult)
+    assert (first.cached, second.cached) == (False, True)
+    assert dataclasses.replace(second, run_id=None, cached=False) == dataclasses.replace(
+        first, run_id=None
+    )
+    assert second.run_id != first.run_id  # each call has its own child run
+    record = json.loads(cache.manifest_path(out_dir).read_text())["result"]
+    assert record["type"] == "SFTResult" and not {"run_id", "cached"} & set(record)
+    run = MlflowClient(tracking_uri).get_run(second.run_id)
     assert run.data.tags["cached"] == "true" and run.data.metrics["steps"] == 5
+    assert "cached" not in run.data.metrics
     changed = sft_stage.fn(
         "cold_start_sft",
         str(tiny_checkpoint),
@@ -230,4 +240,20 @@ def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, t
         SFTConfig(max_steps=6, batch_size=4),
         tracking,
     )
-    assert not changed["cached"] and changed["steps"] == 6
+    assert not changed.cached and changed.steps == 6
+
+
+def test_eval_task_is_reused_as_the_same_typed_result(tiny_checkpoint, tmp_path):
+    data = str(
+        write_jsonl(make_splits(0, n_sft=1, n_rl=1, n_dev=1, n_eval=4).eval, tmp_path / "e.jsonl")
+    )
+    cfg = EvalConfig(max_completion_length=6)
+    table = str(tmp_path / "eval.parquet")
+    first = evaluate_checkpoint(str(tiny_checkpoint), data, cfg, out_table=table)
+    mtime = os.stat(table).st_mtime_ns
+    again = evaluate_checkpoint(str(tiny_checkpoint), data, cfg, out_table=table)
+    assert isinstance(again, EvalOutcome) and (first.cached, again.cached) == (False, True)
+    assert dataclasses.replace(again, cached=False) == first
+    assert os.stat(table).st_mtime_ns == mtime  # not rewritten
+    unrecorded = evaluate_checkpoint(str(tiny_checkpoint), data, cfg)  # no table: no cache
+    assert unrecorded.table is None and not unrecorded.cached

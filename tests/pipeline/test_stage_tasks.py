@@ -23,6 +23,7 @@ from grpo_core.text import encode_prompt, prompt_text
 from tasks import warm
 from tasks.evaluate import evaluate_stage
 from tasks.rejection import rejection_sampling
+from tasks.results import EvalOutcome, RejectionResult, SFTResult
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
@@ -53,13 +54,16 @@ def test_sft_task_writes_checkpoint_and_child_run(tiny_checkpoint, data, tmp_pat
         SFTConfig(max_steps=12, batch_size=8, eval_every=5),
         tracking,
     )
-    assert out["steps"] == 12
-    assert policy_id(out["checkpoint"]) != policy_id(tiny_checkpoint)
-    run = MlflowClient(tracking.uri).get_run(out["run_id"])
+    assert isinstance(out, SFTResult) and out.steps == 12 and not out.cached
+    assert policy_id(out.checkpoint) != policy_id(tiny_checkpoint)
+    assert out.policy_id == policy_id(out.checkpoint) and out.train_examples == 32
+    run = MlflowClient(tracking.uri).get_run(out.run_id)
     assert run.data.tags["stage"] == "cold_start_sft"
     assert run.data.tags["mlflow.parentRunId"] == tracking.parent_run_id
     assert run.data.params["learning_rate"] == "0.003"
     assert "loss" in run.data.metrics
+    assert run.data.metrics["stopped_early"] == 0.0 and run.data.metrics["steps"] == 12
+    assert "cached" not in run.data.metrics and run.data.tags["cached"] == "false"
 
 
 def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path):
@@ -147,7 +151,8 @@ def test_eval_task_table_is_the_greedy_completions_scored_row_by_row(
     out = evaluate_stage.fn("rl_1", str(sft_checkpoint), data["eval"], cfg, str(tmp_path / "e.pq"))
     table = pq.read_table(tmp_path / "e.pq").to_pylist()
     rows = load_rows(data["eval"])
-    assert len(table) == len(rows) == out["num_examples"] == 8
+    assert isinstance(out, EvalOutcome) and out.table == str(tmp_path / "e.pq")
+    assert len(table) == len(rows) == out.num_examples == 8
 
     model, tok = load_checkpoint(sft_checkpoint)
     for t, r in zip(table, rows, strict=True):
@@ -160,9 +165,10 @@ def test_eval_task_table_is_the_greedy_completions_scored_row_by_row(
         assert t["formatted"] == float(is_r1_format(t["completion"]))
     assert len({t["completion"] for t in table}) > 1  # rows a misalignment would mix up
     n = len(table)
-    assert out["accuracy"] == pytest.approx(sum(t["correct"] for t in table) / n)
-    assert out["format_rate"] == pytest.approx(sum(t["formatted"] for t in table) / n)
-    assert out["mean_length"] == pytest.approx(sum(t["length"] for t in table) / n)
+    assert out.accuracy == pytest.approx(sum(t["correct"] for t in table) / n)
+    assert out.format_rate == pytest.approx(sum(t["formatted"] for t in table) / n)
+    assert out.mean_length == pytest.approx(sum(t["length"] for t in table) / n)
+    assert out.samples == table[: cfg.sample_table_rows]
 
 
 def test_rejection_sampling_keeps_only_passing_completions(
@@ -174,7 +180,12 @@ def test_rejection_sampling_keeps_only_passing_completions(
     out = rejection_sampling.fn(
         str(tiny_checkpoint), data["rl"], str(tmp_path / "rs"), cfg, {"format": 1.0}, tracking, 0
     )
-    rows = [json.loads(line) for line in Path(out["path"]).read_text().splitlines()]
+    assert isinstance(out, RejectionResult) and not out.cached
+    rows = [json.loads(line) for line in Path(out.path).read_text().splitlines()]
+    assert out.metrics["kept"] == len(rows) and out.metrics["sampled"] == 8 * 4
+    assert all(isinstance(v, float) for v in out.metrics.values())
+    run = MlflowClient(tracking.uri).get_run(out.run_id)
+    assert run.data.metrics["kept"] == len(rows) and "cached" not in run.data.metrics
     assert 0 < len(rows) <= 8 * 2  # max_per_prompt = 2
     assert all(set(r) >= {"prompt", "completion", "answer"} for r in rows)
     assert not any(k.startswith(("reward", "error_")) for r in rows for k in r)
