@@ -14,12 +14,9 @@ description.
 from __future__ import annotations
 
 import fnmatch
-import os
 from pathlib import Path
 
 from grpo_core.checkpoint import POLICY_ID
-
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 ARTIFACT_PATH = "final_checkpoint"
 # What ``from_pretrained`` (model, tokenizer, generation config) reads from a directory.
