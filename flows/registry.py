@@ -16,7 +16,7 @@ from __future__ import annotations
 import fnmatch
 from pathlib import Path
 
-from grpo_core.checkpoint import POLICY_ID
+from grpo_core.checkpoint import policy_id
 
 ARTIFACT_PATH = "final_checkpoint"
 # What ``from_pretrained`` (model, tokenizer, generation config) reads from a directory.
@@ -144,14 +144,13 @@ def register_final_checkpoint(
     except MlflowException as e:
         if e.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-    policy_file = checkpoint_dir / POLICY_ID
     tags = {
         "pipeline_run_id": parent_run_id,
         "run_name": run.info.run_name or "",
         "stage": final_stage,
         "format": "huggingface",
         "git_commit": run.data.tags.get("git_commit", "unknown"),
-        **({"policy_id": policy_file.read_text().strip()} if policy_file.exists() else {}),
+        "policy_id": policy_id(checkpoint_dir),  # the weights' hash, verified
         **{k: f"{v:.6g}" for k, v in flat.items()},
     }
     version = client.create_model_version(

@@ -5,8 +5,12 @@ and the code version (a hash of the grpo_core and tasks sources, the code that c
 stage's outputs; flows/ only wires stages together and passes every input explicitly, so
 editing the CLI or the orchestration does not invalidate finished stages). After a stage
 writes its outputs it records ``{key, result}`` in a manifest beside them; a later run with
-the same key whose outputs still exist returns the recorded result instead of recomputing.
-``force`` reruns regardless. Manifests are written atomically, after the outputs.
+the same key returns the recorded result instead of recomputing, once each output is
+verified: the manifest holds every output's sha256 with its size and modification time (per
+model file for a checkpoint directory); equal size and mtime -> trusted without reading it,
+otherwise it is hashed: the same hash -> reused (and the stamp refreshed), another hash or a
+missing output -> recomputed, with one log line that says why. ``force`` reruns regardless.
+Manifests are written atomically, after the outputs.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
-from grpo_core.checkpoint import file_sha256, policy_id
+from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256, policy_id
 from grpo_core.io import write_json
 
 _PACKAGES = ("grpo_core", "tasks")
+# How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
+STATS = {"stamp_hits": 0, "hash_checks": 0}
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,18 +43,13 @@ def code_version() -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=256)
-def _file_hash(path: str, size: int, mtime_ns: int) -> str:
-    return file_sha256(path)
-
-
 def content_hash(path: str | Path) -> str:
-    """Weights hash for a checkpoint directory, sha256 for a file (memoised on size+mtime)."""
+    """Weights hash for a checkpoint directory (its verified ``policy_id``), sha256 for a
+    file (memoised in the process on the file's identity, size and mtime)."""
     p = Path(path)
     if p.is_dir():
         return policy_id(p)
-    st = p.stat()
-    return _file_hash(str(p), st.st_size, st.st_mtime_ns)
+    return memo_sha256(p)
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
@@ -69,25 +71,107 @@ def manifest_path(output: str | Path) -> Path:
     return p.with_name(f"{p.name}.stage.json")
 
 
-def lookup(output: str | Path, key: str, *, outputs: list[str | Path] | None = None) -> dict | None:
-    """The recorded result if ``output``'s manifest has ``key`` and the outputs exist."""
+def output_stamp(path: str | Path) -> dict | None:
+    """What is checked without reading an output: ``{size, mtime_ns}`` of a file,
+    ``{files: {name: [size, mtime_ns]}}`` of a checkpoint's model files; None if missing."""
+    p = Path(path)
+    if p.is_dir():
+        return {"files": checkpoint_stamp(p)}
+    if p.is_file():
+        st = p.stat()
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return None
+
+
+def output_sha256(path: str | Path) -> str:
+    """sha256 of a file, or of a checkpoint directory's model files (weights, config,
+    tokenizer: ``grpo_core.checkpoint.checkpoint_sha256``)."""
+    p = Path(path)
+    return checkpoint_sha256(p) if p.is_dir() else memo_sha256(p)
+
+
+def fingerprint(path: str | Path) -> dict:
+    """The manifest entry of an output: its stamp and its sha256."""
+    stamp = output_stamp(path)
+    if stamp is None:
+        raise FileNotFoundError(f"{path}: the stage did not write this output")
+    return {**stamp, "sha256": output_sha256(path)}
+
+
+def _name(path: str | Path, manifest: Path) -> str:
+    """An output's name in the manifest: relative to the manifest's folder, so a moved run
+    folder keeps its manifests."""
+    return os.path.relpath(Path(path), manifest.parent)
+
+
+def verify(path: str | Path, entry: dict | None, name: str) -> tuple[dict | None, str | None]:
+    """``(entry to record, None)`` when ``path`` still has the content ``entry`` records,
+    else ``(None, why not)``. Equal stamps are trusted without reading the output; different
+    ones cost a hash, and an equal hash returns the refreshed entry."""
+    now = output_stamp(path)
+    if now is None:
+        return None, f"{name} is missing"
+    if not entry or "sha256" not in entry:
+        return None, f"{name} has no content hash in its manifest"
+    if now == {k: v for k, v in entry.items() if k != "sha256"}:
+        STATS["stamp_hits"] += 1
+        return entry, None
+    STATS["hash_checks"] += 1
+    digest = output_sha256(path)
+    if digest != entry["sha256"]:
+        return None, (
+            f"{name} changed since it was written "
+            f"(sha256 {entry['sha256'][:12]}, now {digest[:12]})"
+        )
+    return {**now, "sha256": digest}, None
+
+
+def _check(
+    output: str | Path, key: str, outputs: list[str | Path] | None
+) -> tuple[dict | None, str | None]:
+    """``(recorded result, None)`` on a verified hit; ``(None, why)`` when an output fails
+    verification; ``(None, None)`` when there is no usable record for ``key``."""
     m = manifest_path(output)
     if not m.exists():
-        return None
+        return None, None
     try:
-        record = json.loads(m.read_text())
+        record_ = json.loads(m.read_text())
     except (OSError, json.JSONDecodeError):
-        return None
-    if record.get("key") != key:
-        return None
-    if not all(Path(p).exists() for p in [output, *(outputs or [])]):
-        return None
-    return record["result"]
+        return None, None
+    if not isinstance(record_, dict) or record_.get("key") != key or "result" not in record_:
+        return None, None
+    recorded = record_.get("outputs") or {}
+    checked, refreshed = {}, False
+    for p in [output, *(outputs or [])]:
+        name = _name(p, m)
+        entry, why = verify(p, recorded.get(name), name)
+        if entry is None:
+            return None, why
+        checked[name] = entry
+        refreshed |= entry is not recorded.get(name)
+    if refreshed:  # same bytes, new stamp (a copy, a touch): check by stamp next time
+        write_json({**record_, "outputs": checked}, m)
+    return record_["result"], None
 
 
-def record(output: str | Path, key: str, result: dict) -> None:
+def lookup(output: str | Path, key: str, *, outputs: list[str | Path] | None = None) -> dict | None:
+    """The recorded result if ``output``'s manifest has ``key`` and every output still has
+    the content recorded there (:func:`verify`)."""
+    return _check(output, key, outputs)[0]
+
+
+def record(
+    output: str | Path, key: str, result: dict, *, outputs: list[str | Path] | None = None
+) -> None:
+    m = manifest_path(output)
     write_json(
-        {"key": key, "code_version": code_version(), "result": result}, manifest_path(output)
+        {
+            "key": key,
+            "code_version": code_version(),
+            "result": result,
+            "outputs": {_name(p, m): fingerprint(p) for p in [output, *(outputs or [])]},
+        },
+        m,
     )
 
 
@@ -102,6 +186,9 @@ def cached(
 ):
     """Return the recorded result for ``key`` or run ``compute()`` and record its result.
 
+    ``output`` and ``outputs`` are everything the stage writes (files or checkpoint
+    directories); each is verified before reuse (:func:`verify`) and a failed check is
+    logged (``"<label>: <output> changed since it was written (...), recomputing"``).
     ``compute`` returns a dataclass with a ``cached`` field (tasks/results.py), or a dict;
     the result says ``cached=True|False`` so flows and logs can say what ran. Fields marked
     ``NOT_RECORDED`` are not recorded; a hit rebuilds them with their defaults.
@@ -109,14 +196,16 @@ def cached(
     from tasks.common import logger
 
     if not force:
-        hit = lookup(output, key, outputs=outputs)
+        hit, why = _check(output, key, outputs)
         if hit is not None:
             logger(__name__).info("%s: inputs unchanged (key %s), reusing %s", label, key, output)
             return _with_cached(hit, True)
+        if why:
+            logger(__name__).warning("%s: %s, recomputing", label, why)
     result = compute()
     typed = dataclasses.is_dataclass(result)
     body = _record_body(result) if typed else result
-    record(output, key, {"type": type(result).__name__, **body} if typed else body)
+    record(output, key, {"type": type(result).__name__, **body} if typed else body, outputs=outputs)
     return dataclasses.replace(result, cached=False) if typed else {**result, "cached": False}
 
 

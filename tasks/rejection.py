@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from grpo_core.checkpoint import policy_id
 from grpo_core.config import RejectionConfig
 from grpo_core.data import load_rows
+from grpo_core.errors import UserError
 from grpo_core.io import write_jsonl
 from grpo_core.rejection import select_completions, to_sft_rows
 from grpo_core.rollouts import read_scored
@@ -45,12 +46,14 @@ def rejection_sampling(
     )
     tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
     key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
-    sft_path = str(SamplingDir(Path(stage_dir)).sft_data)
+    files = SamplingDir(Path(stage_dir))
+    sft_path = str(files.sft_data)
     out = cached(
         "rejection_sampling",
         sft_path,
         key,
         force=force,
+        outputs=[files.rollouts, files.scored],
         compute=lambda: _sample_and_filter(
             checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
         ),
@@ -91,9 +94,15 @@ def _sample_and_filter(
     )
     n = len(idx) * cfg.num_generations
     if not kept:
-        raise RuntimeError(
-            f"rejection sampling kept no completion of {n} (min_reward={cfg.min_reward}, "
-            f"require={cfg.require}); relax rejection_sampling.require/min_reward or train RL longer"
+        means = ", ".join(
+            f"{k} {scored.metrics.get(f'rewards/{k}/mean', float('nan')):.2f}" for k in cfg.require
+        )
+        raise UserError(
+            f"rejection sampling kept no completion of {n} from {checkpoint} (mean reward "
+            f"{scored.metrics['reward']:.2f}{'; ' + means if means else ''}): lower "
+            f"rejection_sampling.min_reward ({cfg.min_reward:g}), require fewer rewards "
+            f"(rejection_sampling.require={cfg.require}), sample more "
+            "(rejection_sampling.num_prompts/num_generations) or train rl_1 longer (rl.iterations)"
         )
     sft_path = write_jsonl(to_sft_rows(kept), files.sft_data)
     stats = {

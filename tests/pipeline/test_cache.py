@@ -24,15 +24,18 @@ from tasks.tracking import Tracking
 
 
 class Stage:
-    """A stage body that writes its output and counts how often it ran."""
+    """A stage body that writes its output (and any ``extra`` outputs) and counts how often
+    it ran."""
 
-    def __init__(self, output):
+    def __init__(self, output, *extra):
         self.output = output
+        self.extra = extra
         self.calls = 0
 
     def __call__(self) -> dict:
         self.calls += 1
-        self.output.write_text(f"run {self.calls}")
+        for path in (self.output, *self.extra):
+            path.write_text(f"run {self.calls}")
         return {"path": str(self.output), "value": float(self.calls)}
 
 
@@ -125,9 +128,8 @@ def test_code_version_hashes_the_grpo_core_and_tasks_sources(tmp_path, monkeypat
 
 
 def test_missing_output_broken_manifest_or_force_reruns(inputs, tmp_path):
-    stage = Stage(tmp_path / "out.parquet")
     extra = tmp_path / "out.extra"
-    extra.write_text("x")
+    stage = Stage(tmp_path / "out.parquet", extra)
     key = cache.stage_key("update", {}, [inputs])
     cache.cached("update", stage.output, key, stage, outputs=[extra])
     assert cache.cached("update", stage.output, key, stage, force=True)["cached"] is False

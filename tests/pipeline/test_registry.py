@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from flows.registry import register_final_checkpoint
-from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, load_checkpoint, save_checkpoint
+from grpo_core.checkpoint import (
+    POLICY_ID,
+    TRAINER_STATE,
+    load_checkpoint,
+    policy_id,
+    save_checkpoint,
+)
 
 
 @pytest.fixture
@@ -47,7 +53,7 @@ def test_registered_model_holds_what_from_pretrained_needs_and_no_trainer_state(
     version = register_final_checkpoint(
         tracking_uri, parent, final_checkpoint, {"rl_2": {"accuracy": 0.5}}
     )
-    assert version.tags["policy_id"] == (final_checkpoint / POLICY_ID).read_text().strip()
+    assert version.tags["policy_id"] == policy_id(final_checkpoint)
 
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     source = client.get_model_version_download_uri(version.name, version.version)
