@@ -98,8 +98,10 @@ def rl_stage(
             str(ws.iteration_checkpoint(stage, it)),
             rl,
             reference_checkpoint=init_checkpoint,
+            init_checkpoint=init_checkpoint,
             global_step=step,
             total_steps=total_steps,
+            seed=seed,
             force=force,
         )
         it_cached = roll.cached and scored.cached and upd.cached
@@ -223,8 +225,11 @@ def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:
-    """Drop the optimizer state of older iterations; weights, rollouts and scores stay so any
-    iteration can be rerun or resumed from (its optimizer then starts fresh)."""
+    """Drop the trainer state (optimizer, schedule, RNG) of iterations older than the last
+    ``KEEP_ITERATION_CHECKPOINTS``. A rerun after a crash continues from the last finished
+    iteration, whose state is kept: it trains exactly as the uninterrupted run. Weights,
+    rollouts and scores of every iteration stay; an older iteration recomputed later (its
+    inputs changed) has lost its optimizer state and starts AdamW fresh, with a warning."""
     old = it - KEEP_ITERATION_CHECKPOINTS
     if old >= 0:
         (ws.iteration_checkpoint(stage, old) / TRAINER_STATE).unlink(missing_ok=True)

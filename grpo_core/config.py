@@ -78,6 +78,9 @@ class SFTConfig(Section):
     )
     eval_every: int = Field(100, ge=1)
     min_steps: int = Field(0, ge=0, description="no early stop before this step")
+    checkpoint_every: int = Field(
+        100, ge=0, description="save a resume checkpoint every K steps (0: off)"
+    )
 
 
 class VLLMConfig(Section):

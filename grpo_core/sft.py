@@ -3,6 +3,11 @@
 Used for the cold start (worked examples) and for re-SFT on rejection-sampled completions.
 Optionally stops early once greedy accuracy on a dev split reaches a target, so the RL
 stage starts inside the band where groups have reward variance.
+
+With ``checkpoint_every`` and ``resume_dir``, the loop saves a resume checkpoint every K
+steps (weights, AdamW, schedule, RNG states, data order, step and dev-eval history) and a
+rerun with the same ``resume_key`` continues from it: the resumed run ends with the same
+weights, bit for bit, as one that was never interrupted.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from grpo_core.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.schedule import lr_lambda
 from grpo_core.text import encode_completion, encode_prompt
+from grpo_core.trainer_state import load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +36,7 @@ class SFTResult:
     history: list[dict]  # per-step metrics
     dev_history: list[dict]  # {"step", "accuracy"} at each dev evaluation
     stopped_early: bool
+    resumed_from: int = 0  # the step of the resume checkpoint this run continued from
 
 
 def encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
@@ -59,6 +68,9 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, attn, labels
 
 
+SFT_STATE = "sft"  # ``kind`` of an SFT resume checkpoint's trainer state
+
+
 def train_sft(
     model,
     tokenizer,
@@ -77,8 +89,19 @@ def train_sft(
     min_steps: int = 0,
     on_step: Callable[[int, dict], None] | None = None,
     desc: str = "sft",
+    checkpoint_every: int = 0,
+    resume_dir: str | Path | None = None,
+    resume_key: str = "",
+    on_resume: Callable[[int, list[dict]], None] | None = None,
 ) -> SFTResult:
-    """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1]."""
+    """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1].
+
+    ``checkpoint_every`` K > 0 with ``resume_dir``: every K steps (not the last) the state is
+    saved to ``resume_dir`` (a checkpoint directory, replaced atomically); when
+    ``resume_dir`` holds a state saved with the same ``resume_key``, training continues from
+    it and ``on_resume(step, history)`` gets the restored steps' metrics. A state with
+    another key is ignored. The caller deletes ``resume_dir`` once its output is saved.
+    """
     if not rows:
         raise ValueError("SFT: no training rows")
     data = encode_examples(tokenizer, rows)
@@ -86,12 +109,27 @@ def train_sft(
     torch.manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, max_steps))
-    model.train()
     order: list[int] = []
     history, dev_history = [], []
     loss_val, stopped = float("nan"), False
     step = 0
-    with tqdm(total=max_steps, desc=desc, unit="step", leave=False) as bar:
+    resume_dir = Path(resume_dir) if resume_dir is not None else None
+    state = _resume_state(resume_dir, resume_key, desc)
+    if state is not None:
+        load_weights_(model, resume_dir)
+        opt.load_state_dict(state["optimizer"])  # after the scheduler set lr to step 0's
+        sched.load_state_dict(state["scheduler"])
+        rng.setstate(state["data_rng"])
+        order, step = list(state["order"]), state["step"]
+        history, dev_history = state["history"], state["dev_history"]
+        loss_val = state["loss"]
+        set_rng_state(state["rng"])
+        log.info("%s: resumed at step %d of %d from %s", desc, step, max_steps, resume_dir)
+        if on_resume is not None:
+            on_resume(step, history)
+    resumed_from = step
+    model.train()
+    with tqdm(total=max_steps, initial=step, desc=desc, unit="step", leave=False) as bar:
         while step < max_steps:
             if len(order) < batch_size:
                 perm = list(range(len(data)))
@@ -128,5 +166,49 @@ def train_sft(
                 on_step(step, metrics)
             if stopped:
                 break
+            # the last step's state is the stage's output, not a resume point
+            if (
+                resume_dir
+                and checkpoint_every
+                and step % checkpoint_every == 0
+                and step < max_steps
+            ):
+                state = {
+                    "kind": SFT_STATE,
+                    "key": resume_key,
+                    "step": step,
+                    "optimizer": opt.state_dict(),
+                    "scheduler": sched.state_dict(),
+                    "data_rng": rng.getstate(),
+                    "order": list(order),
+                    "history": history,
+                    "dev_history": dev_history,
+                    "loss": loss_val,
+                    "rng": rng_state(),
+                }
+                save_checkpoint(
+                    model,
+                    tokenizer,
+                    resume_dir,
+                    trainer_state=state,
+                    info={"stage": desc, "step": step, "resume_key": resume_key},
+                )
+                log.info("%s: resume checkpoint at step %d of %d", desc, step, max_steps)
     model.eval()
-    return SFTResult(step, loss_val, history, dev_history, stopped)
+    return SFTResult(step, loss_val, history, dev_history, stopped, resumed_from)
+
+
+def _resume_state(resume_dir: Path | None, key: str, desc: str) -> dict | None:
+    """The resume state in ``resume_dir`` when it was saved for ``key``; else None."""
+    if resume_dir is None or not (resume_dir / TRAINER_STATE).exists():
+        return None
+    state = load_trainer_state(resume_dir)
+    if not isinstance(state, dict) or state.get("kind") != SFT_STATE:
+        log.warning("%s: %s holds no SFT resume state; starting at step 0", desc, resume_dir)
+        return None
+    if state.get("key") != key:
+        log.info(
+            "%s: %s was saved for other inputs or settings; starting at step 0", desc, resume_dir
+        )
+        return None
+    return state

@@ -2,11 +2,15 @@
 
 Cached on (SFT config, init checkpoint weights, data files, code version): an unchanged
 rerun records a child run tagged ``cached=true`` with the stored summary and trains nothing.
+Every ``checkpoint_every`` steps the training state goes to ``<checkpoint>.resume/``
+(``Workspace.resume_checkpoint``); a rerun with the same cache key continues from there, and
+the directory is deleted once the stage's output and manifest are written.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -19,6 +23,7 @@ from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 from tasks.results import SFTResult
 from tasks.tracking import Tracking
+from tasks.workspace import Workspace
 
 
 def train_stage(
@@ -32,14 +37,21 @@ def train_stage(
     max_completion_length=48,
     seed=0,
     on_step=None,
+    on_resume=None,
+    resume_key: str = "",
 ) -> SFTResult:
-    """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary."""
+    """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
+
+    With ``cfg.checkpoint_every`` > 0 the state is saved every K steps beside the output
+    (``Workspace.resume_checkpoint``) and a run with the same ``resume_key`` resumes from it.
+    """
     from grpo_core.evaluation import evaluate  # torch: only when the stage really trains
     from grpo_core.sft import train_sft
 
     log = logger(__name__)
     rows = load_rows(data_path, required=("prompt", "completion"))
     w = warm.get(init_checkpoint, mutate=True)
+    w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
         "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
@@ -72,9 +84,16 @@ def train_stage(
             min_steps=cfg.min_steps,
             on_step=on_step,
             desc=stage,
+            checkpoint_every=cfg.checkpoint_every,
+            resume_dir=Workspace.resume_checkpoint(out_checkpoint),
+            resume_key=resume_key,
+            on_resume=on_resume,
         )
     save_checkpoint(
-        w.model, w.tokenizer, out_checkpoint, info={"stage": stage, "steps": result.steps}
+        w.model,
+        w.tokenizer,
+        out_checkpoint,
+        info={"stage": stage, "steps": result.steps, "resumed_from": result.resumed_from},
     )
     warm.put(out_checkpoint, w)
     log.info(
@@ -110,7 +129,9 @@ def sft_stage(
     seed: int = 0,
     force: bool = False,
 ) -> SFTResult:
-    settings = {**cfg.model_dump(), "max_completion_length": max_completion_length, "seed": seed}
+    # checkpoint_every changes where training can resume from, not its result
+    knobs = cfg.model_dump(exclude={"checkpoint_every"})
+    settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=settings)
     tracking.log_params(run_id, cfg.model_dump())
     tracking.log_json(
@@ -123,9 +144,20 @@ def sft_stage(
     )
     key = stage_key("sft", settings, inputs)
 
+    def logged(step: int, m: dict) -> bool:
+        return step % 10 == 0 or "dev/accuracy" in m
+
     def log_step(step: int, m: dict) -> None:
-        if step % 10 == 0 or "dev/accuracy" in m:
+        if logged(step, m):
             tracking.log_metrics(run_id, m, step)
+
+    def log_restored(_: int, history: list[dict]) -> None:
+        """A resumed stage's run gets the curve of the steps before the resume point."""
+        pending = tracking.pending(run_id)
+        for step, m in enumerate(history, 1):
+            if logged(step, m):
+                pending.add(m, step)
+        pending.flush()
 
     out = cached(
         stage,
@@ -142,8 +174,12 @@ def sft_stage(
             max_completion_length=max_completion_length,
             seed=seed,
             on_step=log_step,
+            on_resume=log_restored,
+            resume_key=key,
         ),
     )
+    # done (trained or reused): the mid-stage checkpoint is no longer needed
+    shutil.rmtree(Workspace.resume_checkpoint(out_checkpoint), ignore_errors=True)
     summary = {
         "steps": out.steps,
         "final_loss": out.final_loss,

@@ -9,7 +9,7 @@ import math
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core.checkpoint import save_checkpoint
+from grpo_core.checkpoint import policy_id, save_checkpoint
 from grpo_core.config import RLConfig
 from grpo_core.rollouts import group_ids, read_scored
 from tasks import warm
@@ -28,11 +28,23 @@ def update_from_file(
     global_step: int = 0,
     total_steps: int | None = None,
     on_step=None,
+    stage: str = "offline",
+    init_checkpoint: str | None = None,
+    seed: int = 0,
 ) -> UpdateResult:
+    """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
+    with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
+    the stage continues from (``tasks/warm.py: train_state``).
+
+    ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
+    checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
+    0 it is fresh, later it is the state saved with ``policy_checkpoint`` by this stage.
+    """
     import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core.sampling_filters import dynamic_sampling_mask
     from grpo_core.schedule import lr_lambda
+    from grpo_core.trainer_state import rng_state, set_rng_state
     from grpo_core.update import build_batch, grpo_update
 
     table = read_scored(scored_path)
@@ -50,6 +62,28 @@ def update_from_file(
         extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
     w = warm.get(policy_checkpoint, mutate=True)
     tok = w.tokenizer
+    total = total_steps or (global_step + rl.optimizer_steps_per_generation * rl.num_iterations)
+    init = init_checkpoint or reference_checkpoint or policy_checkpoint
+    key = {
+        "stage": stage,
+        "init_policy_id": policy_id(init),
+        "learning_rate": rl.learning_rate,
+        "weight_decay": rl.weight_decay,
+        "warmup_steps": rl.warmup_steps,
+        "lr_scheduler_type": rl.lr_scheduler_type,
+        "total_steps": total,
+    }
+
+    def build(model):
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=rl.learning_rate, weight_decay=rl.weight_decay
+        )
+        kind = rl.lr_scheduler_type
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(rl.warmup_steps, total, kind))
+        return opt, sched
+
+    train = warm.train_state(w, key=key, global_step=global_step, build=build, seed=seed)
+    set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
     history: list[dict] = []
     t = {"seconds": 0.0}
     if keep:
@@ -67,35 +101,28 @@ def update_from_file(
             if rl.vllm_importance_sampling_correction
             else None,
         )
-        opt = warm.optimizer_for(w, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay)
-        steps = rl.optimizer_steps_per_generation * rl.num_iterations
-        total = total_steps or (global_step + steps)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(rl.warmup_steps, total, rl.lr_scheduler_type), last_epoch=-1
-        )
-        for _ in range(global_step):  # position the schedule at this iteration's first step
-            sched.step()
         ref = warm.get(reference_checkpoint, slot="reference").model if rl.beta > 0 else None
         with timer() as t:
             history = grpo_update(
-                w.model, opt, sched, batch, rl.update_config(), ref_model=ref, on_step=on_step
+                w.model,
+                train.optimizer,
+                train.scheduler,
+                batch,
+                rl.update_config(),
+                ref_model=ref,
+                on_step=on_step,
             )
     else:
         logger(__name__).warning(
             "%s: no group with reward variance; no update this iteration", scored_path
         )
     step = global_step + len(history)
-    state = {
-        "optimizer": None if w.optimizer is None else w.optimizer.state_dict(),
-        "optimizer_key": w.optimizer_key,
-        "global_step": step,
-        "rng": torch.get_rng_state(),
-    }
+    train.global_step, train.rng = step, rng_state()
     save_checkpoint(
         w.model,
         tok,
         out_checkpoint,
-        trainer_state=state,
+        trainer_state=train.state_dict(),
         info={"scored": scored_path, "global_step": step},
     )
     warm.put(out_checkpoint, w)
@@ -117,15 +144,18 @@ def update(
     rl: RLConfig,
     *,
     reference_checkpoint: str | None = None,
+    init_checkpoint: str | None = None,
     global_step: int = 0,
     total_steps: int | None = None,
+    seed: int = 0,
     force: bool = False,
 ) -> UpdateResult:
+    """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
+    identity: tasks/warm.py); ``seed`` seeds the RNGs at the stage's first step."""
     knobs = rl.model_dump(exclude={"eval_every", "iterations"})
     inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
-    key = stage_key(
-        "update", {**knobs, "global_step": global_step, "total_steps": total_steps}, inputs
-    )
+    settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
+    key = stage_key("update", settings, inputs)
 
     def compute() -> UpdateResult:
         out = update_from_file(
@@ -136,6 +166,9 @@ def update(
             reference_checkpoint=reference_checkpoint,
             global_step=global_step,
             total_steps=total_steps,
+            stage=stage,
+            init_checkpoint=init_checkpoint,
+            seed=seed,
         )
         last = out.history[-1] if out.history else {"loss": math.nan, "entropy": math.nan}
         logger(__name__).info(

@@ -1,14 +1,21 @@
 """The warm policy: the model stays in the worker process between rollout, score and
 update tasks. A task asking for a checkpoint gets the in-memory model when its weights are
-that checkpoint (same ``policy_id``); otherwise it is loaded from disk. The optimizer (and
-its state) travels with the warm model, and is restored from the checkpoint's trainer
-state when the model comes from disk.
+that checkpoint (same ``policy_id``); otherwise it is loaded from disk.
+
+The training state of an RL stage (AdamW, LR schedule, RNG states: :class:`TrainState`)
+travels with the warm model between iterations, keyed by the stage's identity (stage name,
+its init checkpoint's weights, the optimizer and schedule settings). It is exactly what the
+update saved as the checkpoint's ``trainer_state.pt``, so a stage resumed from disk after a
+crash continues as the uninterrupted process does: :func:`train_state` reuses the in-memory
+state only when it is the one saved at that checkpoint and step, loads it from disk
+otherwise, and starts fresh at a stage's first step.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,13 +31,33 @@ _LOCK = threading.Lock()
 
 
 @dataclass
+class TrainState:
+    """An RL stage's optimizer, LR scheduler and RNG states after ``global_step`` steps:
+    what ``trainer_state.pt`` of the checkpoint written at that step holds."""
+
+    key: dict  # the stage's identity: stage, init policy_id, optimizer and schedule settings
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    global_step: int
+    rng: dict  # grpo_core.trainer_state.rng_state() as saved with the checkpoint
+
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "optimizer_key": self.key,
+            "global_step": self.global_step,
+            "rng": self.rng,
+        }
+
+
+@dataclass
 class WarmPolicy:
     checkpoint: Path
     policy_id: str
     model: torch.nn.Module
     tokenizer: object
-    optimizer: torch.optim.Optimizer | None = None
-    optimizer_key: tuple | None = None
+    train: TrainState | None = None  # set by the RL update; dropped by anything else training
     extra: dict = field(default_factory=dict)
 
 
@@ -74,22 +101,60 @@ def put(checkpoint: str | Path, warm: WarmPolicy, slot: str = "policy") -> None:
         _WARM[slot] = warm
 
 
-def optimizer_for(
-    warm: WarmPolicy, *, learning_rate: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """AdamW for the warm model; kept across RL iterations, restored from trainer state."""
-    import torch
+def train_state(
+    warm: WarmPolicy,
+    *,
+    key: dict,
+    global_step: int,
+    build: Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, object]],
+    seed: int = 0,
+) -> TrainState:
+    """The optimizer, scheduler and RNG states to continue a stage at ``global_step``.
 
-    key = (learning_rate, weight_decay)
-    if warm.optimizer is None or warm.optimizer_key != key:
-        opt = torch.optim.AdamW(
-            warm.model.parameters(), lr=learning_rate, weight_decay=weight_decay
+    ``build(model)`` makes a fresh ``(optimizer, scheduler)`` positioned at step 0. At
+    ``global_step`` 0 the state is fresh and the RNGs are seeded from ``seed``. Later, it is
+    the in-memory state when that is the one saved at ``warm.checkpoint`` (same ``key`` and
+    step), else the checkpoint's ``trainer_state.pt`` (same key and step). When neither
+    exists (pruned, or written by other settings), a warning says so and the optimizer
+    starts fresh with the schedule positioned at ``global_step``: the result then differs
+    from an uninterrupted run's.
+    """
+    from grpo_core.trainer_state import rng_state, seed_all
+
+    if global_step > 0:
+        live = warm.train
+        if live is not None and live.key == key and live.global_step == global_step:
+            return live
+    warm.train = None
+    opt, sched = build(warm.model)
+    if global_step > 0:
+        saved = load_trainer_state(warm.checkpoint)
+        if (
+            isinstance(saved, dict)
+            and saved.get("optimizer_key") == key
+            and saved.get("global_step") == global_step
+            and saved.get("optimizer")
+            and saved.get("scheduler")
+        ):
+            opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
+            sched.load_state_dict(saved["scheduler"])
+            warm.train = TrainState(key, opt, sched, global_step, saved["rng"])
+            log.info("%s: optimizer state at step %d from disk", warm.checkpoint, global_step)
+            return warm.train
+        log.warning(
+            "%s has no trainer state for %s at step %d (pruned or other settings): AdamW "
+            "starts fresh, so this stage will not match an uninterrupted run; rerun it with "
+            "--force %s to retrain it exactly",
+            warm.checkpoint,
+            key.get("stage"),
+            global_step,
+            key.get("stage"),
         )
-        state = load_trainer_state(warm.checkpoint)
-        if state and state.get("optimizer") and state.get("optimizer_key") == key:
-            opt.load_state_dict(state["optimizer"])
-        warm.optimizer, warm.optimizer_key = opt, key
-    return warm.optimizer
+        for _ in range(global_step):  # the schedule still follows the stage's step count
+            sched.step()
+    seed_all(seed)
+    warm.train = TrainState(key, opt, sched, global_step, rng_state())
+    return warm.train
 
 
 def relabel(checkpoint: str | Path, slot: str = "policy") -> None:

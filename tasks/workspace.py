@@ -5,6 +5,7 @@ through these paths, never ad-hoc ones.
       data/{sft,rl,dev,eval}.jsonl         demo data (or the user's files, referenced)
       checkpoints/base/                     the initial model
       checkpoints/<stage>/                  stage outputs (cold_start_sft, rl_1, re_sft, rl_2)
+      checkpoints/<stage>.resume/           an SFT stage's last mid-stage checkpoint, until done
       <rl stage>/iter_0007/rollouts.parquet, scored.parquet, checkpoint/, eval.parquet
       rejection_sampling/rollouts.parquet, scored.parquet, sft.jsonl
       eval/<stage>.parquet                  held-out eval table per stage checkpoint
@@ -67,6 +68,13 @@ class Workspace:
     def rescored(rollouts: str | Path, tag: str) -> Path:
         """A re-scored copy of any rollouts file, beside it, named by the scoring settings."""
         return Path(rollouts).with_name(f"scored-{tag}.parquet")
+
+    @staticmethod
+    def resume_checkpoint(checkpoint: str | Path) -> Path:
+        """Beside a stage's output checkpoint: the mid-stage checkpoint a rerun resumes from
+        (SFT writes it every ``checkpoint_every`` steps and deletes it once its output is
+        saved)."""
+        return Path(checkpoint).with_name(f"{Path(checkpoint).name}.resume")
 
     @staticmethod
     def checkpoint_eval_table(checkpoint: str | Path, tag: str) -> Path:

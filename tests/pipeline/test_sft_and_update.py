@@ -1,4 +1,5 @@
 import copy
+import json
 
 import pytest
 import torch
@@ -127,3 +128,198 @@ def test_kl_metric_with_reference(tiny_model):
     hist = grpo_update(model, opt, None, batch, cfg, ref_model=ref)
     assert hist[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # identical weights at the first step
     assert hist[-1]["kl"] > 0
+
+
+# --- resume: a stage continued from its files trains exactly like an uninterrupted one ---
+
+
+class _Killed(Exception):
+    """Stands in for SIGKILL: training stops between two steps."""
+
+
+def _dev_eval(model, tok, rows):
+    """A deterministic dev "accuracy" that grows as training goes: exp(-completion loss)."""
+
+    def f() -> float:
+        ids, attn, labels = collate(encode_examples(tok, rows), tok.pad_token_id)
+        with torch.no_grad():
+            return float(torch.exp(-model(input_ids=ids, attention_mask=attn, labels=labels).loss))
+
+    return f
+
+
+def _sft(model, tok, rows, dev_rows, resume_dir, *, target=None, kill_at=None, key="k"):
+    def on_step(step, _):
+        if step == kill_at:
+            raise _Killed
+
+    return train_sft(
+        model,
+        tok,
+        rows,
+        max_steps=24,
+        batch_size=16,
+        learning_rate=3e-3,
+        warmup_steps=5,
+        seed=3,
+        dev_eval=_dev_eval(model, tok, dev_rows),
+        target_accuracy=target,
+        eval_every=4,
+        on_step=on_step,
+        checkpoint_every=5,
+        resume_dir=resume_dir,
+        resume_key=key,
+    )
+
+
+def _weights_equal(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_sft_resumed_after_a_kill_ends_bit_identical(tiny_checkpoint, tmp_path, early_stop):
+    from grpo_core.checkpoint import load_checkpoint
+
+    sft_rows = make_splits(1, n_sft=40, n_rl=1, n_dev=1, n_eval=1).sft
+    rows, dev = sft_rows[:34], sft_rows[34:]  # dev rows with completions (for their loss)
+    ref_model, tok = load_checkpoint(tiny_checkpoint)
+    ref = _sft(ref_model, tok, rows, dev, None)
+    target = None
+    if early_stop:  # a target that the uninterrupted run reaches at its 4th dev eval (step 16)
+        target = ref.dev_history[3]["accuracy"]
+        assert all(d["accuracy"] < target for d in ref.dev_history[:3])
+        ref_model, tok = load_checkpoint(tiny_checkpoint)
+        ref = _sft(ref_model, tok, rows, dev, None, target=target)
+        assert ref.stopped_early and ref.steps == 16
+
+    resume = tmp_path / "resume"
+    model, _ = load_checkpoint(tiny_checkpoint)
+    with pytest.raises(_Killed):
+        _sft(model, tok, rows, dev, resume, target=target, kill_at=13)
+    assert json.loads((resume / "checkpoint_info.json").read_text())["step"] == 10
+    model, _ = load_checkpoint(tiny_checkpoint)  # a new process: the initial weights again
+    out = _sft(model, tok, rows, dev, resume, target=target)
+    assert out.resumed_from == 10
+    assert _weights_equal(model, ref_model)
+    assert (out.steps, out.stopped_early) == (ref.steps, ref.stopped_early)
+    assert out.history == ref.history and out.dev_history == ref.dev_history
+
+    # a state saved for other settings or inputs (another cache key) is not resumed from
+    model, _ = load_checkpoint(tiny_checkpoint)
+    other = _sft(model, tok, rows, dev, resume, target=target, key="other")
+    assert other.resumed_from == 0
+
+
+def test_sft_without_checkpoint_every_writes_no_resume_state(tiny_model, tmp_path):
+    model, tok = tiny_model
+    rows = make_splits(0, n_sft=8, n_rl=1, n_dev=1, n_eval=1).sft
+    res = train_sft(
+        model, tok, rows, max_steps=6, batch_size=4, learning_rate=1e-3, resume_dir=tmp_path / "r"
+    )
+    assert res.steps == 6 and not (tmp_path / "r").exists()
+
+
+def column_reward(prompts, completions, r, **_):
+    return list(r)
+
+
+def _scored_file(tmp_path, name: str, shift: int) -> str:
+    """A scored file of 2 groups x 4 completions with rewards that vary within groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.score import score_file
+
+    rows = []
+    for g in range(2):
+        for s in range(4):
+            n = 3 + (s + shift) % 3
+            rows.append(
+                {
+                    "prompt_id": f"p{g}",
+                    "group_idx": g,
+                    "sample_idx": s,
+                    "prompt": f"{g}+{g}=",
+                    "prompt_text": f"{g}+{g}=",
+                    "completion": "x" * n,
+                    "prompt_ids": [3, 4 + g, 5],
+                    "completion_ids": [6 + (s + k + shift) % 5 for k in range(n)] + [2],
+                    "completion_logprobs": [-1.0] * (n + 1),
+                    "completion_length": n + 1,
+                    "finish_reason": "stop",
+                    "policy_id": "p",
+                    "iteration": 0,
+                    "r": float((s + shift + g) % 2),
+                }
+            )
+    rollouts = tmp_path / f"{name}-rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), rollouts)
+    out = tmp_path / f"{name}-scored.parquet"
+    score_file(str(rollouts), str(out), {f"{__file__}:column_reward": 1.0})
+    return str(out)
+
+
+def _adam_step(ckpt) -> float:
+    from grpo_core.checkpoint import load_trainer_state
+
+    state = load_trainer_state(ckpt)["optimizer"]["state"]
+    return float(next(iter(state.values()))["step"])
+
+
+def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint, tmp_path):
+    """Three iterations of one stage in one process (the warm path) against the same stage
+    resumed from disk before its last iteration; then a second stage on the same weights
+    starts its own AdamW instead of continuing the first stage's."""
+    from grpo_core.checkpoint import file_sha256, load_trainer_state
+    from grpo_core.config import RLConfig
+    from tasks import warm
+    from tasks.update import update_from_file
+
+    rl = RLConfig(
+        prompts_per_iteration=2,
+        num_generations=4,
+        steps_per_generation=2,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+    )
+    scored = [_scored_file(tmp_path, f"it{i}", i) for i in range(3)]
+    init = str(tiny_checkpoint)
+
+    def run(it, policy, out, step, stage="rl_1", first=init):
+        up = update_from_file(
+            policy,
+            scored[it],
+            out,
+            rl,
+            stage=stage,
+            init_checkpoint=first,
+            global_step=step,
+            total_steps=6,
+        )
+        return up.checkpoint, up.global_step
+
+    warm.clear()
+    policy, step = init, 0
+    for it in range(3):
+        policy, step = run(it, policy, str(tmp_path / f"warm{it}"), step)
+    assert step == 6 and _adam_step(policy) == 6
+
+    warm.clear()  # a new process after a crash: the state comes from iteration 1's files
+    resumed, _ = run(2, str(tmp_path / "warm1"), str(tmp_path / "resumed2"), 4)
+    w_a, w_b = (file_sha256(f"{p}/model.safetensors") for p in (policy, resumed))
+    assert w_a == w_b
+    a, b = load_trainer_state(policy), load_trainer_state(resumed)
+    assert a["scheduler"] == b["scheduler"] and a["optimizer_key"] == b["optimizer_key"]
+    for k, s in a["optimizer"]["state"].items():
+        assert all(torch.equal(s[n], b["optimizer"]["state"][k][n]) for n in s)
+
+    # another stage starting from the warm weights: a fresh optimizer, whatever is in memory
+    warm.clear()
+    run(0, init, str(tmp_path / "a0"), 0)
+    a0 = str(tmp_path / "a0")
+    other, step = run(1, a0, str(tmp_path / "b0"), 0, stage="rl_2", first=a0)
+    assert _adam_step(other) == 2 and step == 2
+    other, step = run(2, other, str(tmp_path / "b1"), step, stage="rl_2", first=a0)
+    assert _adam_step(other) == 4 and step == 4
