@@ -14,6 +14,7 @@ import fnmatch
 import hashlib
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -91,40 +92,57 @@ def memo_sha256(path: str | Path) -> str:
 
 def weight_files(ckpt_dir: str | Path) -> list[Path]:
     """The ``*.safetensors`` files of a checkpoint (sorted); raises when there are none."""
-    ckpt_dir = Path(ckpt_dir)
-    files = sorted(ckpt_dir.glob("*.safetensors"))
+    with os.scandir(ckpt_dir) as entries:
+        files = sorted(
+            Path(e.path)
+            for e in entries
+            if e.name.endswith(".safetensors") and not e.name.startswith(".") and e.is_file()
+        )
     if not files:
         raise FileNotFoundError(f"{ckpt_dir}: no *.safetensors weights found")
     return files
 
 
+_MODEL_FILE = re.compile("|".join(fnmatch.translate(pattern) for pattern in MODEL_FILES))
+
+
+def _model_entries(ckpt_dir: str | Path) -> list[tuple[str, str]]:
+    """``(relative path, path)`` of each model file, sorted; one ``scandir`` (plus the
+    files of :data:`MODEL_DIRS` when there are any), so the cheap check stays cheap."""
+    out = []
+    with os.scandir(ckpt_dir) as entries:
+        for e in entries:
+            if e.name.startswith("."):  # temporaries of atomic writes
+                continue
+            if e.is_dir():
+                if e.name in MODEL_DIRS:
+                    out += [
+                        (f.relative_to(ckpt_dir).as_posix(), str(f))
+                        for f in Path(e.path).rglob("*")
+                        if f.is_file()
+                    ]
+            elif _MODEL_FILE.match(e.name):
+                out.append((e.name, e.path))
+    return sorted(out)
+
+
 def model_files(ckpt_dir: str | Path) -> list[Path]:
     """The files of ``ckpt_dir`` that make the model (:data:`MODEL_FILES`, and the files
     of :data:`MODEL_DIRS`), sorted."""
-    ckpt_dir = Path(ckpt_dir)
-    out = []
-    for item in sorted(ckpt_dir.iterdir()):
-        if item.is_dir():
-            if item.name in MODEL_DIRS:
-                out += sorted(f for f in item.rglob("*") if f.is_file())
-        elif any(fnmatch.fnmatchcase(item.name, pattern) for pattern in MODEL_FILES):
-            out.append(item)
-    return out
+    return [Path(path) for _, path in _model_entries(ckpt_dir)]
 
 
 def checkpoint_stamp(ckpt_dir: str | Path) -> dict[str, list[int]]:
     """``{relative path: [size, mtime_ns]}`` of the model files (no file is read)."""
-    ckpt_dir = Path(ckpt_dir)
-    return {f.relative_to(ckpt_dir).as_posix(): list(stamp(f)) for f in model_files(ckpt_dir)}
+    return {rel: list(stamp(path)) for rel, path in _model_entries(ckpt_dir)}
 
 
 def checkpoint_sha256(ckpt_dir: str | Path) -> str:
     """Content hash of a checkpoint directory: sha256 over the name and sha256 of each of
     its model files (weights, config, generation config, tokenizer, chat template)."""
-    ckpt_dir = Path(ckpt_dir)
     h = hashlib.sha256()
-    for f in model_files(ckpt_dir):
-        h.update(f"{f.relative_to(ckpt_dir).as_posix()}\0{memo_sha256(f)}\n".encode())
+    for rel, path in _model_entries(ckpt_dir):
+        h.update(f"{rel}\0{memo_sha256(path)}\n".encode())
     return h.hexdigest()
 
 

@@ -101,7 +101,9 @@ def fingerprint(path: str | Path) -> dict:
 def _name(path: str | Path, manifest: Path) -> str:
     """An output's name in the manifest: relative to the manifest's folder, so a moved run
     folder keeps its manifests."""
-    return os.path.relpath(Path(path), manifest.parent)
+    folder, name = os.path.split(os.fspath(path))
+    here = os.fspath(manifest.parent)
+    return name if folder == here else os.path.relpath(path, here)
 
 
 def verify(path: str | Path, entry: dict | None, name: str) -> tuple[dict | None, str | None]:
