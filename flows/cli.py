@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 
-from flows import local_server
+from flows import errors, local_server
 from flows.env import apply_defaults
 
 # Offline, quiet, local defaults, set before Prefect is imported (it reads them at import);
@@ -32,6 +32,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
     cfg = load_config(args.config, _overrides(args))
+    from flows import preflight
+
+    preflight.check_run(cfg)  # before Prefect starts: a bad input is one line, nothing written
     apply_defaults(cfg.output_dir)
     server = local_server.start()  # starts while the imports below run
     from flows.r1 import r1_pipeline
@@ -51,6 +54,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
     cfg = load_config(args.config, args.set)  # validate before starting Prefect
+    from flows import preflight
+
+    preflight.check_stage(args.command, args, cfg)
     apply_defaults(cfg.output_dir)
     server = local_server.start()
     from flows import stages
@@ -142,11 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     for noisy in ("httpx", "httpcore", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    errors.quiet_prefect_tracebacks()  # known errors: Prefect logs one line, no traceback
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"grpo: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # a known error is one line (flows/errors.py); a bug keeps its traceback
+        message = errors.user_message(e)
+        if message is None or errors.debug():
+            raise
+        print(f"grpo: error: {message}", file=sys.stderr)
+        return errors.EXIT_USER_ERROR
 
 
 if __name__ == "__main__":

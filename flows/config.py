@@ -8,12 +8,13 @@ The stage names are defined here once; flows, tests and benchmarks import them.
 from __future__ import annotations
 
 import copy
+import difflib
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from grpo_core.config import (
     DataConfig,
@@ -25,6 +26,7 @@ from grpo_core.config import (
     Section,
     SFTConfig,
 )
+from grpo_core.errors import UserError
 
 # The R1 recipe in order: (stage, whether it writes a checkpoint that the final evaluation scores)
 _STAGES = (
@@ -90,21 +92,67 @@ class PipelineConfig(Section):
         try:
             return SFTConfig(**{**self.sft.model_dump(), **self.re_sft})
         except ValidationError as e:
-            raise ValueError(f"re_sft: {e}") from None
+            raise ValueError(validation_message(e, SFTConfig, "re_sft")) from None
 
     def rl_2_config(self) -> RLConfig:
         try:
             return RLConfig(**{**self.rl.model_dump(), **self.rl_2})
         except ValidationError as e:
-            raise ValueError(f"rl_2: {e}") from None
+            raise ValueError(validation_message(e, RLConfig, "rl_2")) from None
 
 
 def default_config_path() -> Path:
     return Path(str(resources.files("configs") / DEFAULT_CONFIG))
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` of a YAML syntax error, on one line."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
 def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
+
+
+def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The section model that ``loc`` (a pydantic error location) points into, or None."""
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def validation_message(e: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """A pydantic error as one line: ``section.key: what is wrong (got value)`` per error,
+    with the valid keys (and the closest one) for an unknown key."""
+    parts = []
+    for err in e.errors():
+        loc = tuple(err.get("loc", ()))
+        where = ".".join(str(p) for p in ((prefix,) if prefix else ()) + loc)
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            section = _model_at(model, loc[:-1])
+            valid = sorted(section.model_fields) if section else []
+            close = difflib.get_close_matches(str(loc[-1]), valid, n=1)
+            if close:
+                msg = f"unknown key; did you mean {close[0]!r}?"
+            else:
+                msg = f"unknown key; valid keys: {', '.join(valid)}" if valid else "unknown key"
+        elif "input" in err and err.get("type") not in (
+            "missing",
+            "value_error",
+            "assertion_error",
+        ):
+            got = repr(err["input"])
+            msg += f" (got {got[:60] + '...' if len(got) > 60 else got})"
+        parts.append(f"{where}: {msg}" if where else msg)
+    return "; ".join(" ".join(p.split()) for p in parts)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -115,12 +163,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
             raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. rl.learning_rate=1e-5")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
+        try:
+            parsed = _parse_value(value)
+        except yaml.YAMLError as e:
+            raise UserError(
+                f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); quote it, "
+                f"e.g. --set {key.strip()}='\"...\"'"
+            ) from None
         node = out
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = _parse_value(value)
+        node[parts[-1]] = parsed
     return out
 
 
@@ -131,11 +186,16 @@ def load_config(
     path = Path(path) if path else default_config_path()
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}, {_yaml_problem(e)} (YAML syntax); fix the file there") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read the config file ({e})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+        raise UserError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
     try:
         return PipelineConfig(**raw)
     except ValidationError as e:
-        raise ValueError(f"{path}: invalid config:\n{e}") from None
+        raise UserError(f"{path}: {validation_message(e, PipelineConfig)}") from None

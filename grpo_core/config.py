@@ -55,6 +55,9 @@ class DataConfig(Section):
     sft_path: str | None = None
     rl_path: str | None = None
     eval_path: str | None = None
+    max_prompt_chars: int = Field(
+        200_000, ge=1, description="longest prompt accepted, in characters (checked up front)"
+    )
     demo: DemoDataConfig = DemoDataConfig()
 
     @model_validator(mode="after")
@@ -186,6 +189,13 @@ class RLConfig(Section):
     )
     max_completion_length: int = Field(48, ge=1)
     eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
+    rewards_max_error_rate: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="stop the stage when a reward function fails on at least this share of an "
+        "iteration's rows (1.0: only when it fails on every row)",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:

@@ -53,6 +53,21 @@ def prompt_hash(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """16 hex digits of a sha256 over the tokenizer's vocabulary (token -> id, the model's
+    vocabulary without added tokens), recorded as ``tokenizer`` in a rollout file's metadata
+    so that ``grpo update`` can refuse token ids from another tokenizer. A transformers
+    tokenizer and a ``tokenizers.Tokenizer`` read from the same ``tokenizer.json`` give the
+    same fingerprint."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+    try:
+        vocab = backend.get_vocab(with_added_tokens=False)
+    except TypeError:  # a Python ("slow") tokenizer
+        vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def rollout_table(
     rows: list[dict],
     prompt_ids: list[list[int]],
@@ -63,7 +78,8 @@ def rollout_table(
     iteration: int,
     metadata: dict | None = None,
 ) -> pa.Table:
-    """Rows of the rollout contract; ``rows[i]``'s other columns are passed through."""
+    """Rows of the rollout contract; ``rows[i]``'s other columns are passed through. The
+    metadata records the tokenizer's fingerprint (:func:`tokenizer_fingerprint`)."""
     records = []
     for s in samples:
         row = rows[s.prompt_index]
@@ -87,7 +103,8 @@ def rollout_table(
                 rec[k] = v
         records.append(rec)
     table = pa.Table.from_pylist(records)
-    return with_metadata(table, {"kind": "rollouts", **(metadata or {})})
+    meta = {"kind": "rollouts", "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return with_metadata(table, {**meta, **(metadata or {})})
 
 
 def with_metadata(table: pa.Table, meta: dict) -> pa.Table:

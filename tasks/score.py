@@ -1,7 +1,9 @@
 """Score task: reward functions + advantages on a rollouts Parquet -> a new scored Parquet.
 
 The rollout file is read, never rewritten. A reward function that fails is recorded per
-row (``error_<fn>``) and scoring goes on.
+row (``error_<fn>``) and scoring goes on, unless it failed on (at least
+``rl.rewards_max_error_rate`` of) every row: then the stage stops with the function's first
+error and no scored file is written (a run whose rewards all failed is not a success).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from grpo_core import rewards
 from grpo_core.config import RLConfig
+from grpo_core.errors import UserError
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
 from tasks.cache import cached, stage_key
@@ -33,6 +36,8 @@ def score_file(
     overlong_buffer_length: int | None = None,
     overlong_penalty_factor: float = 1.0,
     max_completion_length: int | None = None,
+    max_error_rate: float = 1.0,
+    label: str | None = None,
 ) -> ScoreResult:
     """Score every completion of ``rollouts_path``; returns path and TRL-named metrics.
 
@@ -41,6 +46,10 @@ def score_file(
     weight ``overlong_penalty_factor`` when ``overlong_buffer_length`` is set; advantages come
     from that sum, or from GDPO's per-reward normalisation when ``multi_objective_aggregation``
     says so. Groups without variance get advantage exactly 0.
+
+    A reward function that fails on ``max_error_rate`` or more of the rows (default: on
+    every row) raises a ``UserError`` with its first error, naming ``label`` (default: the
+    rollouts file), before anything is written.
     """
     import torch  # here, not at the top: a cached rerun never loads torch
 
@@ -64,6 +73,7 @@ def score_file(
         result = rewards.score_completions(
             cols["prompt"], cols["completion"], extra, all_weights, functions=functions
         )
+        check_reward_failures(result, max_error_rate, label or rollouts_path)
         gids = torch.tensor(group_ids(table, rollouts_path))  # [N]
         matrix, w = reward_matrix(result.per_function, result.weights, table.num_rows)  # [N, K]
         adv = advantages.compute_multi(
@@ -102,6 +112,29 @@ def score_file(
     return ScoreResult(out_path, metrics)
 
 
+def check_reward_failures(result, max_error_rate: float, label: str) -> None:
+    """Raise when a reward function failed (raised, or returned no number, on a row: score
+    ``None`` with an error) on at least ``max_error_rate`` of the rows. Rows a function
+    scored while reporting an error (e.g. a sandbox timeout scored 0.0) do not count."""
+    for name, scores in result.per_function.items():
+        errors = result.errors.get(name) or [None] * len(scores)
+        failed = [i for i, (s, e) in enumerate(zip(scores, errors, strict=True)) if s is None and e]
+        n = len(scores)
+        if not failed or len(failed) < max_error_rate * n:
+            continue
+        first = failed[0]
+        if len(failed) == n:
+            share = f"all {n} rows"
+        else:
+            share = (
+                f"{len(failed)} of {n} rows ({len(failed) / n:.0%}, rl.rewards_max_error_rate="
+                f"{max_error_rate:g})"
+            )
+        raise UserError(
+            f"reward {name!r} failed on {share} of {label}: {errors[first]} (first row {first})"
+        )
+
+
 @task(name="score", task_run_name="{stage}-score-{iteration}", cache_policy=NO_CACHE)
 def score(
     stage: str,
@@ -116,7 +149,14 @@ def score(
     key = stage_key("score", {"rewards": weights, **opts}, [rollouts_path])
 
     def compute() -> ScoreResult:
-        out = score_file(rollouts_path, out_path, weights, **opts)
+        out = score_file(
+            rollouts_path,
+            out_path,
+            weights,
+            **opts,
+            max_error_rate=rl.rewards_max_error_rate,
+            label=rollouts_path if stage == "offline" else f"{stage} iteration {iteration}",
+        )
         logger(__name__).info(
             "%s iteration %d: reward %.3f, zero-std groups %.2f",
             stage,

@@ -13,6 +13,8 @@ import functools
 import hashlib
 import json
 import math
+import posixpath
+import re
 import subprocess
 import tempfile
 import time
@@ -101,7 +103,7 @@ class Tracking:
     ) -> None:
         """``batch`` (and ``tags``, with the first chunk) in as few ``log_batch`` calls as
         MLflow allows: at most 1000 metrics per call."""
-        run_tags = [RunTag(k, str(v)) for k, v in (tags or {}).items()]
+        run_tags = [RunTag(safe_key(k), str(v)) for k, v in (tags or {}).items()]
         for i in range(0, max(len(batch), 1 if run_tags else 0), 900):
             self.client.log_batch(
                 run_id, metrics=batch[i : i + 900], tags=run_tags if i == 0 else []
@@ -111,7 +113,7 @@ class Tracking:
         return PendingMetrics(self, run_id)
 
     def log_params(self, run_id: str, params: dict) -> None:
-        flat = [Param(k, str(v)[:6000]) for k, v in _flatten(params).items()]
+        flat = [Param(k, str(v)[:6000]) for k, v in _safe_params(_flatten(params)).items()]
         for i in range(0, len(flat), 90):
             self.client.log_batch(run_id, params=flat[i : i + 90])
 
@@ -136,11 +138,51 @@ class Tracking:
         self.client.set_terminated(run_id, status)
 
 
+_KEY_CHARS = re.compile(r"[^/\w.\- :]")  # what MLflow accepts in a metric/param/tag key
+MAX_KEY_LENGTH = 250
+
+
+@functools.lru_cache(maxsize=4096)
+def safe_key(key: str) -> str:
+    """``key`` as a name MLflow accepts for a metric, parameter or tag: the one place keys are
+    made safe. A reward given as ``/abs/path/file.py:fn`` makes ``rewards//abs/path/...``,
+    which MLflow refuses (a name must not change under path normalisation); other characters
+    it refuses become ``_``, empty, ``.`` and ``..`` path segments are dropped or escaped,
+    and a key over 250 characters keeps its ends around a hash."""
+    if (
+        _KEY_CHARS.search(key) is None
+        and posixpath.normpath(key) == key
+        and not key.startswith(("/", ".."))
+        and key != "."
+        and len(key) <= MAX_KEY_LENGTH
+    ):
+        return key
+    segments = [s for s in _KEY_CHARS.sub("_", key).split("/") if s not in ("", ".")]
+    safe = "/".join("__" if s == ".." else s for s in segments) or "_"
+    if len(safe) > MAX_KEY_LENGTH:
+        digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+        safe = f"{safe[:120]}_{digest}_{safe[-120:]}"
+    return safe
+
+
+def _safe_params(flat: dict) -> dict:
+    """Parameters under safe keys; a renamed key is kept, in full, as the value of
+    ``<safe key>.key`` (e.g. a reward's file path)."""
+    out = {}
+    for k, v in flat.items():
+        safe = safe_key(k)
+        out[safe] = v
+        if safe != k:
+            out[safe_key(f"{safe}.key")] = k
+    return out
+
+
 def metric_batch(metrics: dict[str, float], step: int) -> list[Metric]:
-    """MLflow metrics at ``step``; non-numeric and non-finite values are left out."""
+    """MLflow metrics at ``step`` under safe keys (:func:`safe_key`); non-numeric and
+    non-finite values are left out."""
     ts = int(time.time() * 1000)
     return [
-        Metric(k, float(v), ts, step)
+        Metric(safe_key(k), float(v), ts, step)
         for k, v in metrics.items()
         if isinstance(v, int | float) and math.isfinite(float(v))
     ]

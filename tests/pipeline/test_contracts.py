@@ -64,16 +64,27 @@ def test_scoring_writes_a_new_file_and_leaves_rollouts_untouched(rollouts, tmp_p
 
 
 def test_a_failing_reward_function_is_recorded_not_fatal(rollouts, tmp_path):
-    @rewards.register("always_fails", replace=True)
-    def always_fails(prompts, completions, **kwargs):
-        raise RuntimeError("reward service unavailable")
+    # fails on the rows of one prompt (failing on every row stops the stage:
+    # tests/pipeline/test_reward_errors.py)
+    first = pq.read_table(rollouts)["answer"][0].as_py()
+
+    @rewards.register("sometimes_fails", replace=True)
+    def sometimes_fails(prompts, completions, **kwargs):
+        if first in kwargs["answer"]:
+            raise RuntimeError("reward service unavailable")
+        return [1.0] * len(completions)
 
     out = score_file(
-        rollouts, str(tmp_path / "scored.parquet"), {"always_fails": 1.0, "format": 1.0}
+        rollouts, str(tmp_path / "scored.parquet"), {"sometimes_fails": 1.0, "format": 1.0}
     )
     t = pq.read_table(out.path).to_pandas()
-    assert t["error_always_fails"].str.contains("RuntimeError: reward service unavailable").all()
-    assert t["reward_always_fails"].isna().all()
+    failed = t["answer"] == first
+    assert 0 < failed.sum() < len(t)
+    errors = t.loc[failed, "error_sometimes_fails"]
+    assert errors.str.contains("RuntimeError: reward service unavailable").all()
+    assert t.loc[failed, "reward_sometimes_fails"].isna().all()
+    assert (t.loc[~failed, "reward_sometimes_fails"] == 1.0).all()
+    assert t["error_sometimes_fails"][~failed].isna().all()
     assert t["reward_format"].notna().all()
 
 
