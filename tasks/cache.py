@@ -15,6 +15,7 @@ Manifests are written atomically, after the outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -152,7 +153,8 @@ def _check(
         checked[name] = entry
         refreshed |= entry is not recorded.get(name)
     if refreshed:  # same bytes, new stamp (a copy, a touch): check by stamp next time
-        write_json({**record_, "outputs": checked}, m)
+        with contextlib.suppress(OSError):  # a read-only run folder: hashed again next time
+            write_json({**record_, "outputs": checked}, m)
     return record_["result"], None
 
 
