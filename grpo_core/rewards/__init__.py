@@ -19,6 +19,7 @@ from grpo_core.rewards import length as _length  # noqa: F401
 from grpo_core.rewards.base import (
     REWARDS,
     RewardFn,
+    RewardUnavailable,
     Scores,
     completion_text,
     get,
@@ -26,24 +27,35 @@ from grpo_core.rewards.base import (
     names,
     register,
 )
-from grpo_core.rewards.code import extract_program, run_many
+from grpo_core.rewards.code import extract_program, isolation_label, run_many, sandboxed
 from grpo_core.rewards.length import cosine_scaled, repetition_penalty, soft_overlong_penalty
-from grpo_core.rewards.sandbox import Limits, RunResult, run_program
+from grpo_core.rewards.sandbox import (
+    Limits,
+    RunResult,
+    SandboxUnavailable,
+    detect_isolation,
+    run_program,
+)
 from grpo_core.rewards.scoring import ScoreResult, score_completions
 
 __all__ = [
     "REWARDS",
     "RewardFn",
+    "RewardUnavailable",
+    "SandboxUnavailable",
     "ScoreResult",
     "Scores",
     "Limits",
     "RunResult",
     "completion_text",
     "cosine_scaled",
+    "detect_isolation",
     "extract_program",
+    "isolation_label",
     "repetition_penalty",
     "run_many",
     "run_program",
+    "sandboxed",
     "soft_overlong_penalty",
     "get",
     "load_user_function",

@@ -40,6 +40,12 @@ class Scores(list):
         self.errors: list[str | None] = list(errors) if errors is not None else [None] * len(self)
 
 
+class RewardUnavailable(RuntimeError):
+    """A reward function that must not run here at all (e.g. the code sandbox cannot isolate
+    untrusted programs on this machine). ``score_completions`` lets it through instead of
+    recording it as a per-row error, so the batch stops with the message."""
+
+
 def register(name: str, *, replace: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering a reward function under ``name`` (a taken name raises)."""
     return REWARDS.register(name, replace=replace)

@@ -6,12 +6,18 @@ completion. Tests come from the row's columns, first match wins:
 - ``test_list`` (MBPP) or ``tests`` as a list: one assert statement per entry
   (``test_setup_code`` runs first when present);
 - ``test`` or ``tests`` as a string without ``entry_point``: a script of asserts.
-``code_tests`` gives partial credit: the fraction of assert executions that passed.
+``code_tests`` gives partial credit: the fraction of the executions of the asserts that
+exercise the candidate (``credit.py``) that passed.
+
+``code_tests`` and ``code_runs`` execute the program: they run in the sandbox's isolation
+(``sandbox_isolation=`` keyword, else ``$GRPO_SANDBOX_ISOLATION``, else ``"auto"``) and raise
+``SandboxUnavailable`` (naming the fix) when it cannot isolate, rather than run unisolated.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 import shutil
@@ -22,8 +28,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from grpo_core.rewards.base import Scores, completion_text, register
-from grpo_core.rewards.sandbox import Limits, RunResult, run_program
+from grpo_core.rewards.base import REWARDS, Scores, completion_text, register
+from grpo_core.rewards.sandbox import (
+    Limits,
+    RunResult,
+    SandboxUnavailable,
+    detect_isolation,
+    run_program,
+)
+
+EXECUTING = ("code_tests", "code_runs")  # the built-in rewards that run the program
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -73,18 +87,23 @@ def run_many(
     limits: Limits | None = None,
     workers: int | None = None,
     progress: bool | None = None,
-    isolation: str = "auto",
+    isolation: str | None = None,
 ) -> list[RunResult]:
     """Run ``run_program(**job)`` for every job, ``workers`` sandboxes at a time (default:
     one per CPU; each sandbox is its own process, the pool only waits on them), with a tqdm
-    progress bar (``progress=None``: only on a terminal)."""
+    progress bar (``progress=None``: only on a terminal). The isolation is resolved first:
+    :class:`SandboxUnavailable` stops the batch before any program runs."""
     from tqdm.auto import tqdm
 
     workers = workers or default_workers()
+    if jobs:
+        detect_isolation(isolation)
 
     def one(job: dict[str, Any]) -> RunResult:
         try:
             return run_program(**job, limits=limits, isolation=isolation)
+        except SandboxUnavailable:
+            raise
         except Exception as exc:  # a harness failure is this program's error, not the batch's
             return RunResult("error", error=f"sandbox error: {type(exc).__name__}: {exc}")
 
@@ -132,7 +151,8 @@ def _sandbox_reward(
     need_tests: bool,
 ) -> list[float | None]:
     """Sandbox options come as keyword arguments, not columns: ``sandbox_limits=Limits(...)``,
-    ``sandbox_workers=N``, ``sandbox_isolation="auto"``, ``sandbox_progress=bool``."""
+    ``sandbox_workers=N``, ``sandbox_isolation="auto"|"bwrap"|"namespaces"|"none"``,
+    ``sandbox_progress=bool``."""
     opts = {name: columns[key] for key, name in _OPTIONS.items() if columns.get(key) is not None}
     jobs, where = [], []
     out = Scores([None] * len(completions))
@@ -146,6 +166,32 @@ def _sandbox_reward(
         out[i] = score(res)
         out.errors[i] = res.error
     return out
+
+
+def sandboxed(names, isolation: str | None = None, **options: Any) -> dict[str, Callable]:
+    """The executing rewards among ``names`` (``code_tests``, ``code_runs``), bound to
+    ``isolation`` and the other ``sandbox_<option>`` keywords (``limits=``, ``workers=``,
+    ``progress=``): pass them as ``score_completions(functions=...)``. The isolation is
+    resolved here, so a machine that cannot isolate fails before scoring starts (raises
+    :class:`SandboxUnavailable`); ``{}`` when no executing reward is named."""
+    wanted = [n for n in names if n in EXECUTING]
+    if not wanted:
+        return {}
+    detect_isolation(isolation)
+    kwargs = {f"sandbox_{k}": v for k, v in {"isolation": isolation, **options}.items()}
+    out = {}
+    for name in wanted:
+        fn = REWARDS.get(name)
+        out[name] = functools.partial(fn, **kwargs)
+    return out
+
+
+def isolation_label(names, isolation: str | None = None) -> str | None:
+    """``"<mode> (...; requested <name>)"`` of the sandbox that executing rewards among
+    ``names`` run in (for logs and metadata), None when none of them executes code."""
+    if not any(n in EXECUTING for n in names):
+        return None
+    return detect_isolation(isolation).describe()
 
 
 @register("code_tests")

@@ -1,29 +1,41 @@
 """Run untrusted Python programs against tests, isolated, with an unforgeable verdict.
 
-Layers, strongest available first (``isolation="auto"``):
+Isolation modes (``isolation=``, or the ``GRPO_SANDBOX_ISOLATION`` environment variable, which
+the pipeline's ``sandbox.isolation`` setting sets; default ``"auto"``):
 
-- ``bwrap`` (Debian package ``bubblewrap``): new pid, net, ipc, uts (and cgroup) namespaces,
-  a read-only view of only ``/usr`` and the Python installation, a private size-limited
-  tmpfs as the working directory and ``/tmp``, nothing else of the host filesystem.
-- ``unshare`` (util-linux): new pid, net, ipc, uts namespaces; the host filesystem is visible
-  (writes blocked only by the privilege drop where there is one).
-- ``none``: rlimits and a process group only.
+- ``bwrap`` (Debian package ``bubblewrap``, plus ``setpriv`` from util-linux when the scorer
+  is root): new pid, net, ipc, uts (and cgroup) namespaces, a read-only view of only ``/usr``
+  and the Python installation, a private size-limited tmpfs as the working directory and
+  ``/tmp``, nothing else of the host filesystem.
+- ``namespaces`` (no external tool: ``_nsinit.py`` calls ``unshare``/``mount`` through the C
+  library; needs root, or unprivileged user namespaces): the same guarantees built by hand,
+  see ``_nsinit.py``. Python may live in root's home folder: its folder is bound read-only into
+  the new root with traversable parents, so the uid drop works.
+- ``auto``: ``bwrap`` if it works here, else ``namespaces``, else :class:`SandboxUnavailable`
+  (fail closed: the message names the fix).
+- ``none``, only when named: rlimits, a process group and (root, with ``setpriv`` and a Python
+  readable by other users) a uid drop. The program can read and write whatever that uid can,
+  use the network and signal that uid's processes. Logged as a warning.
+
+Guarantees of ``bwrap`` and ``namespaces`` (tests/rewards/test_sandbox.py runs every hostile
+program class under each mode the machine has): no write outside the private tmpfs, no
+network, no signal to any host process, neither the scorer's environment nor any host
+``/proc/<pid>/environ`` readable, nothing left running once the verdict is returned (the
+sandbox's pid-1 is killed and its exit waited for through a pidfd, so a double-forked
+``setsid`` daemon dies too), CPU and memory capped (``RLIMIT_CPU``, ``RLIMIT_AS`` per process,
+``RLIMIT_NPROC`` for the random uid, tmpfs size). When the scorer is root the program runs as
+a random unprivileged uid: root ignores ``RLIMIT_NPROC``.
 
 Always: own session/process group, ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
-``RLIMIT_NOFILE``, ``RLIMIT_NPROC``, ``RLIMIT_CORE=0``, a wall-clock timeout that kills the
-whole process group (and with it the pid namespace), a fresh empty working directory and a
-scrubbed environment (only ``PATH``, ``LANG``, ``HOME``, ``TMPDIR``). When the scorer runs as
-root, the program runs as an unprivileged uid (random per run): root ignores
-``RLIMIT_NPROC`` and may signal any process, so without the drop a fork bomb is not
-contained. The drop needs ``setpriv`` and, outside bwrap, a Python readable by other users;
-where it is impossible the sandbox logs a warning and refuses fork-heavy limits it cannot
-enforce (see ``Isolation.nproc_enforced``).
+``RLIMIT_NOFILE``, ``RLIMIT_NPROC``, ``RLIMIT_CORE=0``, a wall-clock timeout, a scrubbed
+environment (only ``PATH``, ``LANG``, ``HOME``, ``TMPDIR``).
 
 The verdict comes only from a pipe held open by the scorer, one JSON record per assert, each
 carrying a per-run random nonce the program never sees on disk or in argv (see
-``_harness.py``). Exit codes and output are never trusted. Residual risk, documented: a
-program that introspects the harness's own memory (``gc``, frames) in its process could
-recover the nonce; closing that needs a process per assert.
+``_harness.py``); only asserts that exercise the candidate count (``credit.py``). Exit codes
+and output are never trusted. Residual risk, documented: a program that introspects the
+harness's own memory (``gc``, frames) in its process could recover the nonce; closing that
+needs a process per assert.
 """
 
 from __future__ import annotations
@@ -32,9 +44,11 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import resource
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -47,11 +61,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grpo_core.rewards import credit
+from grpo_core.rewards.base import RewardUnavailable
+
 log = logging.getLogger(__name__)
 
 _HARNESS = (Path(__file__).with_name("_harness.py")).read_text()
+_NSINIT = (Path(__file__).with_name("_nsinit.py")).read_text()
 _MAX_VERDICT_BYTES = 4 << 20
 _STDERR_TAIL = 2000
+_SETUP_FAILED = 125  # _nsinit.py's exit code for a failed namespace setup step
+
+MODES = ("auto", "bwrap", "namespaces", "none")
+ISOLATION_ENV = "GRPO_SANDBOX_ISOLATION"
+
+
+class SandboxUnavailable(RewardUnavailable):
+    """The requested isolation cannot run on this machine: executing rewards refuse to run."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +90,7 @@ class Limits:
     file_size_bytes: int = 16 << 20  # largest file it may write (RLIMIT_FSIZE)
     nproc: int = 16  # processes of the sandbox uid (RLIMIT_NPROC)
     open_files: int = 64
-    workdir_bytes: int = 64 << 20  # size of the private tmpfs (bwrap only)
+    workdir_bytes: int = 64 << 20  # size of the private tmpfs (bwrap, namespaces)
 
 
 @dataclass
@@ -73,8 +99,9 @@ class RunResult:
 
     status: "ok" (harness finished), "timeout" (wall clock), "killed" (by a signal: CPU limit,
         memory...), "exited" (ended before the harness finished: early exit, crash).
-    passed / total: assert executions that passed / counted (unrun asserts count when the
-        run did not finish). program_ok: the program body ran without raising.
+    passed / total: executions of the asserts that exercise the candidate, passed / counted
+        (unrun ones count when the run did not finish). program_ok: the program body ran
+        without raising.
     error: one line for the error column (None when every assert passed).
     """
 
@@ -95,32 +122,93 @@ class RunResult:
 
 @dataclass(frozen=True)
 class Isolation:
-    mode: str  # "bwrap" | "unshare" | "none"
+    mode: str  # "bwrap" | "namespaces" | "none"
     drop_uid: bool  # run as an unprivileged random uid (scorer is root)
     nproc_enforced: bool
+    requested: str = "auto"
+
+    @property
+    def contained(self) -> bool:
+        """The full guarantee set (filesystem, network, signals, environment, cleanup)."""
+        return self.mode in ("bwrap", "namespaces")
+
+    def describe(self) -> str:
+        how = {
+            "bwrap": "bubblewrap namespaces",
+            "namespaces": "Linux namespaces (built in)",
+            "none": "rlimits only, NOT isolated",
+        }[self.mode]
+        return f"{self.mode} ({how}; requested {self.requested})"
+
+
+def requested_isolation(isolation: str | None = None) -> str:
+    """The isolation asked for: ``isolation``, else ``$GRPO_SANDBOX_ISOLATION``, else auto."""
+    name = isolation or os.environ.get(ISOLATION_ENV) or "auto"
+    if name not in MODES:
+        where = "" if isolation else f" (from ${ISOLATION_ENV})"
+        raise ValueError(f"sandbox isolation {name!r}{where}: expected one of {', '.join(MODES)}")
+    return name
+
+
+def detect_isolation(requested: str | None = None) -> Isolation:
+    """The isolation to use for ``requested`` (``auto``: the strongest that works here),
+    probed once per process by really running a program; raises :class:`SandboxUnavailable`
+    naming the fix when it cannot run."""
+    name = requested_isolation(requested)
+    return _detect(name, shutil.which("bwrap"), shutil.which("setpriv"), os.geteuid())
 
 
 @functools.cache
-def detect_isolation(requested: str = "auto") -> Isolation:
-    """Pick the strongest isolation this machine supports (probed once, by running it)."""
-    root = os.geteuid() == 0
-    setpriv = shutil.which("setpriv") is not None
-    order = ["bwrap", "unshare", "none"] if requested == "auto" else [requested]
-    for mode in order:
-        if mode != "none" and shutil.which(mode) is None:
+def _detect(requested: str, bwrap: str | None, setpriv: str | None, euid: int) -> Isolation:
+    root = euid == 0
+    reasons: dict[str, str] = {}
+    for mode in ["bwrap", "namespaces"] if requested == "auto" else [requested]:
+        if mode == "bwrap" and bwrap is None:
+            reasons[mode] = "bubblewrap is not installed (no bwrap on PATH)"
             continue
-        drop = root and setpriv and (mode == "bwrap" or _world_readable_python())
-        iso = Isolation(mode, drop, nproc_enforced=not root or drop)
-        if mode == "none" or _probe(iso):
-            if mode != "bwrap":
-                log.warning(
-                    "code sandbox: using %r isolation (%s): the program can read the host "
-                    "filesystem%s. Install the Debian package 'bubblewrap'.",
-                    mode, "requested" if requested != "auto" else "bubblewrap unavailable",
-                    "" if iso.nproc_enforced else " and RLIMIT_NPROC is not enforced (root)",
-                )  # fmt: skip
+        if mode == "bwrap" and root and setpriv is None:
+            reasons[mode] = "setpriv (util-linux) is missing: the program would run as root"
+            continue
+        if mode == "none":
+            drop = root and setpriv is not None and _world_readable_python()
+            iso = Isolation(mode, drop, nproc_enforced=not root or drop, requested=requested)
+        else:
+            iso = Isolation(mode, root, nproc_enforced=True, requested=requested)
+        why = _probe(iso)
+        if why is None:
+            _log_choice(iso, reasons)
             return iso
-    raise RuntimeError(f"sandbox isolation {requested!r} is not available on this machine")
+        reasons[mode] = why
+    raise SandboxUnavailable(_unavailable_message(requested, reasons))
+
+
+def _log_choice(iso: Isolation, reasons: dict[str, str]) -> None:
+    skipped = "".join(f"; {m} unavailable: {why}" for m, why in reasons.items())
+    if iso.mode == "none":
+        log.warning(
+            "code sandbox: isolation %s, set on purpose: programs run with rlimits only; they "
+            "can read and write what uid %s can, use the network and signal that uid's "
+            "processes%s. Use it only on a machine dedicated to scoring.",
+            iso.describe(),
+            "(random, unprivileged)" if iso.drop_uid else os.geteuid(),
+            "" if iso.nproc_enforced else ", and RLIMIT_NPROC is not enforced (root)",
+        )
+    else:
+        log.info("code sandbox: isolation %s%s", iso.describe(), skipped)
+
+
+def _unavailable_message(requested: str, reasons: dict[str, str]) -> str:
+    why = "; ".join(f"{mode}: {reason}" for mode, reason in reasons.items())
+    return (
+        f"code sandbox: cannot run untrusted programs with isolation {requested!r} on this "
+        f"machine ({why}). Fix: install bubblewrap (Debian/Ubuntu: apt-get install "
+        "bubblewrap; plus util-linux's setpriv when scoring as root), or score as root / where "
+        "user namespaces are allowed (isolation 'namespaces'), or run scoring on a machine "
+        "that can (docs/rewards.md). To run without isolation on purpose, set the sandbox "
+        "isolation to 'none' (config sandbox.isolation=none, GRPO_SANDBOX_ISOLATION=none, or "
+        "the reward's sandbox_isolation='none'): the program can then read and write what the "
+        "scorer's user can and use the network."
+    )
 
 
 def _world_readable_python() -> bool:
@@ -132,25 +220,39 @@ def _world_readable_python() -> bool:
     return True
 
 
-def _probe(iso: Isolation) -> bool:
+def _probe(iso: Isolation) -> str | None:
+    """None if a trivial program runs under ``iso``, else why not."""
     try:
-        res = _run(iso, {"kind": "run", "program": "x = 1"}, Limits(wall_seconds=20), 0)
-    except OSError:
-        return False
-    return res.status == "ok" and res.program_ok
+        res = _run(iso, {"kind": "run", "program": "x = 1"}, Limits(wall_seconds=20), {})
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if res.status == "ok" and res.program_ok:
+        return None
+    tail = res.stderr_tail.strip().splitlines()
+    return (tail[-1] if tail else res.error or res.status)[:300]
 
 
 def _python_roots() -> list[str]:
     roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
     roots.add(str(Path(sys.executable).resolve().parent.parent))
-    return sorted(r for r in roots if not r.startswith("/usr"))
+    return sorted(r for r in roots if r != "/" and not r.startswith("/usr"))
 
 
-def _command(iso: Isolation, uid: int, workdir: str, limits: Limits, fd: int) -> list[str]:
-    py = [os.path.realpath(sys.executable), "-I", "-B", "-c", _HARNESS, str(fd)]
-    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs"]
+def _python() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def _harness_argv(fd: int) -> list[str]:
+    return [_python(), "-I", "-B", "-c", _HARNESS, str(fd)]
+
+
+_DROP = ["setpriv", "--clear-groups", "--no-new-privs"]
+
+
+def _command(iso: Isolation, uid: int, workdir: str, limits: Limits, fd: int, info: int) -> list:
+    drop = [*_DROP, f"--reuid={uid}", f"--regid={uid}"] if iso.drop_uid else []
     if iso.mode == "bwrap":
-        cmd = ["bwrap", "--die-with-parent", "--new-session"]
+        cmd = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info)]
         cmd += [
             "--unshare-ipc",
             "--unshare-pid",
@@ -174,13 +276,20 @@ def _command(iso: Isolation, uid: int, workdir: str, limits: Limits, fd: int) ->
         cmd += ["--proc", "/proc", "--dev", "/dev"]
         cmd += ["--size", str(limits.workdir_bytes), "--tmpfs", "/tmp"]
         cmd += ["--chmod", "1777", "/tmp", "--chdir", "/tmp"]
-        return cmd + ["--"] + (drop if iso.drop_uid else []) + py
-    if iso.mode == "unshare":
-        cmd = ["unshare", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts"]
-        if os.geteuid() != 0:
-            cmd += ["--user", "--map-root-user"]
-        return cmd + ["--"] + (drop if iso.drop_uid else []) + py
-    return (drop if iso.drop_uid else []) + py
+        return cmd + ["--"] + drop + _harness_argv(fd)
+    if iso.mode == "namespaces":
+        cfg = {
+            "root": workdir,
+            "uid": uid if iso.drop_uid else None,
+            "fd": fd,
+            "roots": _python_roots(),
+            "rlimits": _rlimits(limits),
+            "tmp_bytes": limits.workdir_bytes,
+            "parent": os.getpid(),
+            "deadline": math.ceil(limits.wall_seconds) + 30,
+        }
+        return [_python(), "-I", "-B", "-c", _NSINIT + "\n" + _HARNESS, json.dumps(cfg)]
+    return drop + _harness_argv(fd)
 
 
 def _env(workdir: str) -> dict[str, str]:
@@ -194,15 +303,24 @@ def _env(workdir: str) -> dict[str, str]:
     }
 
 
+def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
+    cpu = max(1, int(limits.cpu_seconds))
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (limits.memory_bytes, limits.memory_bytes),
+        "RLIMIT_FSIZE": (limits.file_size_bytes, limits.file_size_bytes),
+        "RLIMIT_NOFILE": (limits.open_files, limits.open_files),
+        "RLIMIT_NPROC": (limits.nproc, limits.nproc),
+        "RLIMIT_CORE": (0, 0),
+    }
+
+
 def _preexec(limits: Limits):
+    values = [(getattr(resource, k), v) for k, v in _rlimits(limits).items()]
+
     def set_limits() -> None:  # runs in the child between fork and exec: keep it minimal
-        cpu = max(1, int(limits.cpu_seconds))
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_size_bytes, limits.file_size_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.nproc, limits.nproc))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        for res, value in values:
+            resource.setrlimit(res, value)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
 
     return set_limits
@@ -216,89 +334,130 @@ def run_program(
     entry_point: str | None = None,
     setup: str = "",
     limits: Limits | None = None,
-    isolation: str = "auto",
+    isolation: str | None = None,
 ) -> RunResult:
     """Run ``program`` in the sandbox, then its tests.
 
     kind: "run" (program only, as ``__main__``), "humaneval" (``tests`` defines
         ``check(candidate)``, called with ``entry_point``), "asserts" (``tests`` is a list of
         assert statements, MBPP style), "script" (``tests`` is code with asserts).
+    isolation: see the module doc; ``None``: ``$GRPO_SANDBOX_ISOLATION`` or ``"auto"``.
+    Only the asserts that exercise the candidate (``credit.analyse``) count.
     """
+    counted, candidates = credit.analyse(kind, tests, entry_point, setup)
     payload = {
         "kind": kind,
         "program": program,
         "tests": tests,
         "entry_point": entry_point,
         "setup": setup,
+        "candidates": sorted(candidates),
     }
-    static = _static_asserts(kind, tests)
-    res = _run(detect_isolation(isolation), payload, limits or Limits(), static)
-    return res
+    return _run(detect_isolation(isolation), payload, limits or Limits(), counted)
 
 
-def _static_asserts(kind: str, tests: Any) -> dict[str, None]:
-    """Ids of the asserts in the tests, as the harness numbers them (trusted, host side)."""
-    import ast
-
-    def ids(src: str, prefix: str) -> list[str]:
-        try:
-            n = sum(isinstance(node, ast.Assert) for node in ast.walk(ast.parse(src)))
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return [prefix + "0"]  # unparseable test: one failing assert
-        return [f"{prefix}{i}" for i in range(n)]
-
-    if kind == "asserts":
-        return {i: None for k, src in enumerate(tests) for i in ids(str(src), f"a{k}.")}
-    if kind in ("humaneval", "script"):
-        return dict.fromkeys(ids(str(tests), "t"))
-    return {}
-
-
-def _run(iso: Isolation, payload: dict, limits: Limits, static: Any) -> RunResult:
+def _run(iso: Isolation, payload: dict, limits: Limits, counted: dict[str, None]) -> RunResult:
     nonce = secrets.token_hex(16)
     uid = 100_000 + secrets.randbelow(800_000)
     data = json.dumps({**payload, "nonce": nonce}).encode()
-    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")
-    vr, vw = os.pipe()
+    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")  # none: cwd; namespaces: mount point
+    vr, vw = os.pipe()  # the verdict
+    ir, iw = os.pipe()  # the sandbox's pid-1, as "<pid>" (namespaces) or bwrap's JSON
+    pidfd = -1
     try:
-        if iso.drop_uid:
+        if iso.drop_uid and iso.mode == "none":
             os.chown(workdir, uid, uid)
         os.chmod(workdir, 0o700)
-        cwd = workdir if iso.mode != "bwrap" else "/"
-        stderr_path = Path(tempfile.mkdtemp(prefix="grpo-sandbox-err-")) / "stderr"
-        with open(stderr_path, "wb+") as err:
+        with tempfile.TemporaryFile(prefix="grpo-sandbox-err-") as err:
             t0 = time.monotonic()
             proc = subprocess.Popen(
-                _command(iso, uid, workdir, limits, vw),
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, cwd=cwd,
-                env=_env(workdir if iso.mode != "bwrap" else "/tmp"), pass_fds=(vw,),
-                start_new_session=True, preexec_fn=_preexec(limits),
-            )  # fmt: skip
-            os.close(vw)
-            vw = -1
+                _command(iso, uid, workdir, limits, vw, iw),
+                stdin=subprocess.PIPE,
+                stdout=iw if iso.mode == "namespaces" else subprocess.DEVNULL,
+                stderr=err,
+                cwd=workdir if iso.mode == "none" else "/",
+                env=_env(workdir if iso.mode == "none" else "/tmp"),
+                pass_fds=(vw, iw) if iso.mode == "bwrap" else (vw,),
+                start_new_session=True,
+                preexec_fn=None if iso.mode == "namespaces" else _preexec(limits),
+            )
+            for fd in (vw, iw):
+                os.close(fd)
+            vw = iw = -1
             chunks: list[bytes] = []
             reader = threading.Thread(target=_drain, args=(vr, chunks), daemon=True)
             reader.start()
             writer = threading.Thread(target=_feed, args=(proc, data), daemon=True)
             writer.start()
+            pidfd = _open_sandbox_init(ir, proc, t0 + limits.wall_seconds)
             timed_out = False
             try:
-                proc.wait(timeout=limits.wall_seconds)
+                proc.wait(timeout=max(0.0, limits.wall_seconds - (time.monotonic() - t0)))
             except subprocess.TimeoutExpired:
                 timed_out = True
-            _kill_group(proc)
+            _kill(proc, pidfd)
             proc.wait()
+            _await_exit(pidfd)  # the sandbox's pid-1 is gone: so is every process it held
             reader.join(timeout=5)
             wall = time.monotonic() - t0
             err.seek(0)
             tail = err.read()[-_STDERR_TAIL:].decode("utf-8", "replace")
-        shutil.rmtree(stderr_path.parent, ignore_errors=True)
     finally:
-        for fd in (vr, vw):
+        for fd in (vr, vw, ir, iw, pidfd):
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    return _verdict(b"".join(chunks), nonce, static, timed_out, proc.returncode, wall, tail, limits)
+    return _verdict(
+        b"".join(chunks), nonce, counted, timed_out, proc.returncode, wall, tail, limits, payload
+    )
+
+
+def _open_sandbox_init(info_fd: int, proc: subprocess.Popen, deadline: float) -> int:
+    """A pidfd on the sandbox's pid-1 (-1 in mode none, or if it already ended): the process
+    whose pid the launcher (bwrap or _nsinit.py) reported, checked to be the launcher's child
+    after the pidfd was opened, so a recycled pid is never signalled."""
+    raw = b""
+    with contextlib.suppress(OSError):
+        while len(raw) < 4096:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([info_fd], [], [], wait)[0]:
+                break
+            if not (chunk := os.read(info_fd, 4096)):
+                break
+            raw += chunk
+    try:
+        text = raw.decode()
+        pid = int(json.loads(text)["child-pid"] if text.lstrip().startswith("{") else text)
+    except (ValueError, KeyError, TypeError):
+        return -1
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return -1
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ppid = int(next(ln for ln in status.splitlines() if ln.startswith("PPid:")).split()[1])
+    except (OSError, StopIteration, ValueError, IndexError):
+        ppid = None
+    if ppid != proc.pid:  # already gone (and its pid possibly someone else's)
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _kill(proc: subprocess.Popen, pidfd: int) -> None:
+    """SIGKILL the sandbox's pid-1 (the kernel then kills its whole pid namespace) and the
+    launcher's process group."""
+    if pidfd >= 0:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _await_exit(pidfd: int, timeout: float = 10.0) -> None:
+    if pidfd >= 0:  # readable once the process has exited, after its namespace was emptied
+        select.select([pidfd], [], [], timeout)
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
@@ -323,13 +482,7 @@ def _drain(fd: int, chunks: list[bytes]) -> None:
             size += len(chunk)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the whole process group (the pid namespace dies with its init)."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _verdict(raw, nonce, static, timed_out, rc, wall, tail, limits) -> RunResult:
+def _verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload) -> RunResult:
     records = []
     for line in raw.split(b"\n"):
         try:
@@ -341,17 +494,20 @@ def _verdict(raw, nonce, static, timed_out, rc, wall, tail, limits) -> RunResult
     kinds = {r[0] for r in records}
     finished = "done" in kinds
     program_ok = any(k == "program" and ok for k, _, ok, _ in records)
-    asserts = [r for r in records if r[0] == "assert"]
+    asserts = [r for r in records if r[0] == "assert" and r[1] in counted]
     passed = sum(r[2] for r in asserts)
     total = len(asserts)
     tests_error = next((r[3] for r in records if r[0] == "tests" and not r[2]), None)
     if not finished or tests_error:  # asserts never reached count as failed
-        total += sum(1 for i in static if i not in {r[1] for r in asserts})
+        total += sum(1 for i in counted if i not in {r[1] for r in asserts})
+    setup_failed = rc == _SETUP_FAILED and "sandbox setup failed" in tail
     if timed_out:
         status, error = "timeout", f"timeout: killed after {limits.wall_seconds:g}s wall clock"
     elif finished:
         status, error = "ok", None
-    elif rc is not None and (rc < 0 or rc > 128):  # bwrap/unshare relay a signal as 128+N
+    elif setup_failed:
+        status, error = "error", tail.strip().splitlines()[-1][:300]
+    elif rc is not None and (rc < 0 or rc > 128):  # launchers relay a signal as 128+N
         sig = -rc if rc < 0 else rc - 128
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
         hint = {"SIGXCPU": f" (CPU limit {limits.cpu_seconds}s)", "SIGXFSZ": " (file size limit)"}
@@ -369,6 +525,8 @@ def _verdict(raw, nonce, static, timed_out, rc, wall, tail, limits) -> RunResult
                 f"{total - passed}/{total} asserts failed"
                 + (f": {first_fail}" if first_fail else "")
             )
+        if total == 0 and payload.get("kind") != "run":
+            parts.append("no assert of the tests exercises the candidate: nothing to score")
         error = "; ".join(parts) or None
     if error and "MemoryError" in tail and status != "ok":
         error += " (MemoryError)"

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_core.rewards.base import get
+from grpo_core.rewards.base import RewardUnavailable, get
 
 
 @dataclass
@@ -129,6 +129,8 @@ def _call_sync(name, fn, prompts, completions, columns):
     n = len(completions)
     try:
         out = fn(prompts=list(prompts), completions=list(completions), **columns)
+    except RewardUnavailable:
+        raise
     except Exception:
         scores: list[float | None] = []
         errors: list[str | None] = []
@@ -152,6 +154,8 @@ async def _call_async(name, fn, prompts, completions, columns):
     n = len(completions)
     try:
         out = await fn(prompts=list(prompts), completions=list(completions), **columns)
+    except RewardUnavailable:
+        raise
     except Exception:
 
         async def one(i):

@@ -1,27 +1,54 @@
-"""Hostile programs, really run. Each must score 0, be reported, and leave the scorer and
-the machine unharmed. Dangerous ones (fork bomb, kill -1) run only where the sandbox can
-contain them (pid namespace + an enforced RLIMIT_NPROC)."""
+"""Hostile programs, really run, under every isolation mode this machine has: ``bwrap``,
+``namespaces``, and ``auto`` with bwrap hidden from PATH (what a fresh machine without
+bubblewrap gets). Each program must score 0, be reported, and leave the scorer and the host
+unharmed: no file outside, no surviving process, no connection to a listening port, the
+scorer's environment unread. ``none`` runs only the programs that cannot harm the host (it
+is not isolation), and ``auto`` must fail closed where nothing can isolate."""
 
+import contextlib
+import logging
 import os
 import re
 import secrets
+import shutil
+import socket
+import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from grpo_core import rewards
+from grpo_core.rewards import sandbox
 from grpo_core.rewards.code import run_many
-from grpo_core.rewards.sandbox import Limits, detect_isolation, run_program
+from grpo_core.rewards.sandbox import (
+    Limits,
+    SandboxUnavailable,
+    detect_isolation,
+    requested_isolation,
+    run_program,
+)
 
 LIMITS = Limits(wall_seconds=4.0, cpu_seconds=1, memory_bytes=512 << 20, nproc=16)
-ISO = detect_isolation()
-CONTAINED = ISO.nproc_enforced and ISO.mode in ("bwrap", "unshare")
 TOKEN = secrets.token_hex(6)
-OUTSIDE = [f"/tmp/grpo-escape-{TOKEN}", f"/work/grpo-escape-{TOKEN}", f"/root/grpo-escape-{TOKEN}"]
 SECRET = "s3cr3t-" + TOKEN
+REPO = Path(__file__).resolve().parents[2]
+OUTSIDE = [
+    f"{tempfile.gettempdir()}/grpo-escape-{TOKEN}",
+    f"/tmp/grpo-escape-{TOKEN}",
+    f"{REPO}/grpo-escape-{TOKEN}",
+    f"{Path.home()}/grpo-escape-{TOKEN}",
+    f"/dev/shm/grpo-escape-{TOKEN}",
+    f"{os.path.realpath(sys.base_prefix)}/grpo-escape-{TOKEN}",
+]
 
-ADD_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4", "assert add(5, 5) == 10"]
+ADD_TESTS = [
+    "assert add(1, 2) == 3",
+    "assert add(2, 2) == 4",
+    "assert abs(add(5, 5) - 10) < 1e-9",  # patched builtins must not reach the tests
+]
 GOOD = "def add(a, b):\n    return a + b\n"
 
 
@@ -29,132 +56,274 @@ def prog(src: str) -> str:
     return textwrap.dedent(src).strip() + "\n"
 
 
-HOSTILE = {
-    "infinite_loop": prog("while True:\n    pass"),
-    "sleep_forever": prog("import time\ntime.sleep(1000)"),
-    "memory_bomb": prog("""
-        blocks = []
-        while True:
-            blocks.append(bytearray(50 << 20))
-    """),
-    "huge_alloc": prog("x = bytearray(1 << 40)"),
-    "write_outside": prog(f"""
-        import os
-        for p in {OUTSIDE!r}:
+def hostile(port: int) -> dict[str, str]:
+    """The hostile program classes; ``port``: a port listening on the scorer's 127.0.0.1."""
+    return {
+        # resource exhaustion
+        "infinite_loop": prog("while True:\n    pass"),
+        "sleep_forever": prog("import time\ntime.sleep(1000)"),
+        "memory_bomb": prog("""
+            blocks = []
+            while True:
+                blocks.append(bytearray(50 << 20))
+        """),
+        "huge_alloc": prog("x = bytearray(1 << 40)"),
+        "fork_bomb": prog("""
+            import os
+            while True:
+                try:
+                    os.fork()
+                except OSError:
+                    pass
+        """),
+        "fork_bomb_setsid": prog("""
+            import os, time
+            for _ in range(10000):
+                try:
+                    if os.fork() == 0:
+                        os.setsid()
+                        time.sleep(1000)
+                except OSError:
+                    pass
+            def add(a, b):
+                return 0
+        """),
+        # the host
+        "write_outside": prog(f"""
+            for p in {OUTSIDE!r}:
+                try:
+                    with open(p, "w") as f:
+                        f.write("pwned")
+                except OSError:
+                    pass
+            def add(a, b):
+                return 0
+        """),
+        "read_secret": prog(f"""
+            import os
+            leaked = os.environ.get("GRPO_SANDBOX_SECRET", "")
+            for d in os.listdir("/proc"):
+                if d.isdigit() or d == "self":
+                    try:
+                        leaked += open(f"/proc/{{d}}/environ", "rb").read().decode("latin-1")
+                    except OSError:
+                        pass
+            for p in ["/proc/1/environ", "/proc/{os.getpid()}/environ", "/proc/{os.getppid()}/environ"]:
+                try:
+                    leaked += open(p, "rb").read().decode("latin-1")
+                except OSError:
+                    pass
+            def add(a, b):
+                return a + b if "{SECRET}" in leaked else 0  # only a leak passes
+        """),
+        "read_repo": prog(f"""
+            def add(a, b):
+                try:
+                    open("{REPO}/pyproject.toml").read()
+                    return a + b  # only a sandbox that shows the host filesystem passes
+                except OSError:
+                    return None
+        """),
+        "network_localhost": prog(f"""
+            import socket
+            def add(a, b):
+                try:
+                    s = socket.create_connection(("127.0.0.1", {port}), timeout=1)
+                    s.sendall(b"{TOKEN}")
+                    s.close()
+                    return a + b  # only a sandbox with the host's network passes
+                except OSError:
+                    return None
+        """),
+        "network_outside": prog("""
+            import socket
+            def add(a, b):
+                try:
+                    socket.create_connection(("1.1.1.1", 53), timeout=1).close()
+                    return a + b
+                except OSError:
+                    return None
+        """),
+        "kill_parent": prog("""
+            import os, signal
+            for target in (os.getppid(), 1):
+                try:
+                    os.kill(target, signal.SIGKILL)
+                except OSError:
+                    pass
             try:
-                with open(p, "w") as f:
-                    f.write("pwned")
+                os.kill(-1, signal.SIGKILL)
             except OSError:
                 pass
-        def add(a, b):
-            return 0
-    """),
-    "read_secret": prog(f"""
-        import os
-        leaked = os.environ.get("GRPO_SANDBOX_SECRET", "")
-        for p in ["/proc/1/environ", "/proc/self/environ", "/proc/{os.getpid()}/environ"]:
-            try:
-                leaked += open(p, "rb").read().decode("latin-1")
-            except OSError:
-                pass
-        def add(a, b):
-            return a + b if "{SECRET}" in leaked else 0  # only a leak passes
-    """),
-    "read_repo": prog("""
-        def add(a, b):
-            try:
-                open("/work/main/pyproject.toml").read()
-                return a + b  # only a sandbox that shows the host filesystem passes
-            except OSError:
-                return None
-    """),
-    "network": prog("""
-        import socket
-        def add(a, b):
-            try:
-                socket.create_connection(("1.1.1.1", 53), timeout=1).close()
-                return a + b
-            except OSError:
-                return None
-    """),
-    "sys_exit_module": prog("import sys\nsys.exit(0)\ndef add(a, b):\n    return 0"),
-    "os_exit_module": prog("import os\nos._exit(0)"),
-    "sys_exit_in_candidate": prog("import sys\ndef add(a, b):\n    sys.exit(0)"),
-    "os_exit_in_candidate": prog("import os\ndef add(a, b):\n    os._exit(0)"),
-    "atexit_exit0": prog("""
-        import atexit, os
-        atexit.register(os._exit, 0)
-        def add(a, b):
-            return 0
-    """),
-    "keyboard_interrupt": prog("def add(a, b):\n    raise KeyboardInterrupt"),
-    "sigkill_self": prog(
-        "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)"
-    ),
-    "always_equal": prog("""
-        class Yes:
-            def __eq__(self, other):
-                return True
-            def __bool__(self):
-                return True
-        def add(a, b):
-            return Yes()
-    """),
-    "forge_records": prog("""
-        import json, os, sys
-        fake = "\\n".join(json.dumps([n, "assert", f"a{i}.0", True, ""]) for n in ["", "0" * 32] for i in range(3))
-        for fd in range(1, 64):
-            try:
-                os.write(fd, (fake + "\\n").encode())
-            except OSError:
-                pass
-        print(fake)
-        def add(a, b):
-            return 0
-    """),
-    "fork_then_pass": prog("""
-        import os
-        pid = os.fork()
-        def add(a, b):
-            return a + b if pid == 0 else 0  # only the forked child is correct
-    """),
-}
-DANGEROUS = {
-    "fork_bomb": prog("""
-        import os
-        while True:
-            try:
-                os.fork()
-            except OSError:
-                pass
-    """),
-    "fork_bomb_setsid": prog("""
-        import os, time
-        for _ in range(10000):
-            try:
-                if os.fork() == 0:
-                    os.setsid()
-                    time.sleep(1000)
-            except OSError:
-                pass
-        def add(a, b):
-            return 0
-    """),
-    "kill_parent": prog("""
-        import os, signal
-        for target in (os.getppid(), 1):
-            try:
-                os.kill(target, signal.SIGKILL)
-            except OSError:
-                pass
+            def add(a, b):
+                return 0
+        """),
+        # early exits
+        "sys_exit_module": prog("import sys\nsys.exit(0)\ndef add(a, b):\n    return 0"),
+        "os_exit_module": prog("import os\nos._exit(0)"),
+        "sys_exit_in_candidate": prog("import sys\ndef add(a, b):\n    sys.exit(0)"),
+        "os_exit_in_candidate": prog("import os\ndef add(a, b):\n    os._exit(0)"),
+        "atexit_exit0": prog("""
+            import atexit, os
+            atexit.register(os._exit, 0)
+            def add(a, b):
+                return 0
+        """),
+        "keyboard_interrupt": prog("def add(a, b):\n    raise KeyboardInterrupt"),
+        "sigkill_self": prog(
+            "import os, signal\ndef add(a, b):\n    os.kill(os.getpid(), signal.SIGKILL)"
+        ),
+        # the verdict
+        "always_equal": prog("""
+            class Yes:
+                def __eq__(self, other):
+                    return True
+                def __ne__(self, other):
+                    return False
+                def __bool__(self):
+                    return True
+                def __sub__(self, other):
+                    return 0
+            def add(a, b):
+                return Yes()
+        """),
+        "always_equal_spoofed": prog("""
+            class Meta(type):
+                def __eq__(cls, other):
+                    return True
+                __hash__ = type.__hash__
+            class Yes(int, metaclass=Meta):
+                __module__ = "numpy"
+                def __eq__(self, other):
+                    return True
+                def __bool__(self):
+                    return True
+            def add(a, b):
+                return Yes()
+        """),
+        "patched_builtins": prog("""
+            import builtins
+            builtins.abs = lambda x: 0
+            builtins.bool = lambda x=False: True
+            builtins.type = lambda *a: int
+            builtins.isinstance = lambda *a: True
+            builtins.exec = lambda *a, **k: None
+            builtins.compile = lambda *a, **k: compile("pass", "x", "exec")
+            def add(a, b):
+                builtins.abs = lambda x: 0  # again, while the tests run
+                return 0
+        """),
+        "patched_modules": prog("""
+            import json, os, ast
+            json._default_encoder = None
+            json.dumps = lambda o, **k: '["", "assert", "a0.0", true, ""]'
+            os.write = lambda fd, data: len(data)
+            ast.parse = lambda *a, **k: ast.Module(body=[], type_ignores=[])
+            def add(a, b):
+                return 0
+        """),
+        "harness_globals": prog("""
+            import __main__, gc, os
+            found = [k for k in dir(__main__) if "NONCE" in k.upper() or k.startswith("_FD")]
+            def add(a, b):
+                g = globals()
+                for k in list(g):  # swap the check function for one that always passes
+                    if k.startswith("_grpo_"):
+                        orig = g[k]
+                        g[k] = lambda *a, orig=orig: orig(a[0], lambda: True)
+                return 0
+        """),
+        "forge_records": prog("""
+            import json, os, sys
+            fake = "\\n".join(json.dumps([n, "assert", f"a{i}.0", True, ""]) for n in ["", "0" * 32] for i in range(3))
+            for fd in range(1, 64):
+                try:
+                    os.write(fd, (fake + "\\n").encode())
+                except OSError:
+                    pass
+            print(fake)
+            def add(a, b):
+                return 0
+        """),
+        "fork_then_pass": prog("""
+            import os
+            pid = os.fork()
+            def add(a, b):
+                return a + b if pid == 0 else 0  # only the forked child is correct
+        """),
+        "close_verdict_fds": prog("""
+            import os
+            os.closerange(3, 256)
+            def add(a, b):
+                return 0
+        """),
+    }
+
+
+# the programs that cannot harm the host even without isolation (run under "none" too)
+HARMLESS = [
+    "sys_exit_module",
+    "os_exit_module",
+    "sys_exit_in_candidate",
+    "os_exit_in_candidate",
+    "atexit_exit0",
+    "keyboard_interrupt",
+    "sigkill_self",
+    "always_equal",
+    "always_equal_spoofed",
+    "patched_builtins",
+    "patched_modules",
+    "harness_globals",
+    "forge_records",
+    "fork_then_pass",
+    "close_verdict_fds",
+]
+
+
+@contextlib.contextmanager
+def bwrap_hidden():
+    """PATH without ``bwrap``: every other executable of PATH, linked into a temp folder."""
+    old = os.environ.get("PATH", "")
+    with tempfile.TemporaryDirectory(prefix="grpo-path-") as d:
+        for folder in old.split(os.pathsep):
+            with contextlib.suppress(OSError):
+                for name in os.listdir(folder or "."):
+                    if name != "bwrap" and not os.path.exists(os.path.join(d, name)):
+                        os.symlink(os.path.join(folder, name), os.path.join(d, name))
+        os.environ["PATH"] = d
         try:
-            os.kill(-1, signal.SIGKILL)
-        except OSError:
-            pass
-        def add(a, b):
-            return 0
-    """),
-}
+            assert shutil.which("bwrap") is None
+            yield
+        finally:
+            os.environ["PATH"] = old
+
+
+def available(mode: str) -> bool:
+    try:
+        detect_isolation(mode)
+    except SandboxUnavailable:
+        return False
+    return True
+
+
+def _modes() -> list:
+    out = [
+        pytest.param(
+            m, id=m, marks=pytest.mark.skipif(not available(m), reason=f"no {m} on this machine")
+        )
+        for m in ("bwrap", "namespaces")
+    ]
+    out.append(
+        pytest.param(
+            "auto-without-bwrap",
+            id="auto-without-bwrap",
+            marks=pytest.mark.skipif(not available("namespaces"), reason="no namespaces here"),
+        )
+    )
+    return out
+
+
+MODES = _modes()
 
 
 def _sandbox_pids() -> list[int]:
@@ -171,8 +340,8 @@ def _sandbox_pids() -> list[int]:
     return out
 
 
-def sandbox_uids_alive(grace: float = 3.0) -> list[int]:
-    """Live processes of sandbox uids, after giving the kernel ``grace`` s to reap them."""
+def sandbox_uids_alive(grace: float = 0.0) -> list[int]:
+    """Live processes of sandbox uids, after up to ``grace`` s for the kernel to reap them."""
     deadline = time.monotonic() + grace
     while (pids := _sandbox_pids()) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -180,61 +349,232 @@ def sandbox_uids_alive(grace: float = 3.0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hostile_results(monkeypatch_module):
-    monkeypatch_module.setenv("GRPO_SANDBOX_SECRET", SECRET)
-    progs = dict(HOSTILE)
-    if CONTAINED:
-        progs.update(DANGEROUS)
-    progs["good"] = GOOD
-    jobs = [{"program": p, "kind": "asserts", "tests": ADD_TESTS} for p in progs.values()]
-    results = run_many(jobs, limits=LIMITS, workers=2, progress=False)
-    return dict(zip(progs, results, strict=True))
+def listener():
+    """A port listening on 127.0.0.1 of the scorer's machine; yields (port, accepted())."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.setblocking(False)
+
+    def accepted() -> int:
+        n = 0
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except BlockingIOError:
+                return n
+            conn.close()
+            n += 1
+
+    yield srv.getsockname()[1], accepted
+    srv.close()
 
 
-@pytest.fixture(scope="module")
-def monkeypatch_module():
+@pytest.fixture(scope="module", params=MODES)
+def batch(request, listener):
+    """Every hostile program (and a correct one) under one isolation mode, two at a time."""
+    mode = request.param
+    port, accepted = listener
     mp = pytest.MonkeyPatch()
-    yield mp
-    mp.undo()
+    mp.setenv("GRPO_SANDBOX_SECRET", SECRET)
+    progs = {**hostile(port), "good": GOOD}
+    jobs = [{"program": p, "kind": "asserts", "tests": ADD_TESTS} for p in progs.values()]
+    try:
+        if mode == "auto-without-bwrap":
+            with bwrap_hidden():
+                assert detect_isolation().mode == "namespaces"
+                results = run_many(jobs, limits=LIMITS, workers=2, progress=False)
+        else:
+            results = run_many(jobs, limits=LIMITS, workers=2, progress=False, isolation=mode)
+        alive = sandbox_uids_alive()  # right after the verdicts: no grace
+        yield {
+            "mode": mode,
+            "results": dict(zip(progs, results, strict=True)),
+            "alive": alive,
+            "connections": accepted(),
+        }
+    finally:
+        mp.undo()
+        for p in OUTSIDE:
+            with contextlib.suppress(OSError):
+                os.remove(p)
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_scores_zero(hostile_results, name):
-    res = hostile_results[name]
-    assert res.passed == 0, (name, res)
+@pytest.mark.parametrize("name", sorted(hostile(0)))
+def test_hostile_scores_zero(batch, name):
+    res = batch["results"][name]
+    assert res.passed == 0, (batch["mode"], name, res)
     assert res.fraction == 0.0
     assert res.total >= len(ADD_TESTS)
     assert res.error, f"{name} must be reported"
 
 
-@pytest.mark.skipif(not CONTAINED, reason=f"isolation {ISO} cannot contain fork bombs / kill -1")
-@pytest.mark.parametrize("name", sorted(DANGEROUS))
-def test_dangerous_contained(hostile_results, name):
-    res = hostile_results[name]
-    assert res.passed == 0 and res.error, res
-    assert res.wall_s < LIMITS.wall_seconds + 3
-
-
-def test_reports_say_why(hostile_results):
-    assert hostile_results["infinite_loop"].status in ("killed", "timeout")
-    # killed by the CPU rlimit, or by the wall clock first when the machine is loaded
-    assert re.search("SIGXCPU|timeout", hostile_results["infinite_loop"].error)
-    assert hostile_results["sleep_forever"].status == "timeout"
-    assert "timeout" in hostile_results["sleep_forever"].error
-    assert hostile_results["os_exit_module"].status == "exited"
-    assert "before the tests finished" in hostile_results["os_exit_in_candidate"].error
-    assert "MemoryError" in hostile_results["huge_alloc"].error
-
-
-def test_scorer_and_machine_unharmed(hostile_results):
-    assert hostile_results["good"].fraction == 1.0 and hostile_results["good"].error is None
+def test_no_trace_on_the_host(batch):
+    assert batch["results"]["good"].fraction == 1.0 and batch["results"]["good"].error is None
     for p in OUTSIDE:
-        assert not os.path.exists(p), f"sandbox escaped: {p}"
-    assert os.environ["GRPO_SANDBOX_SECRET"] == SECRET  # we are alive, env intact
-    assert sandbox_uids_alive() == [], "sandbox processes survived the run"
+        assert not os.path.exists(p), f"sandbox escaped ({batch['mode']}): {p}"
+    assert batch["alive"] == [], "sandbox processes outlived their verdict"
+    assert batch["connections"] == 0, "a sandboxed program reached 127.0.0.1 of the host"
+    assert os.environ.get("GRPO_SANDBOX_SECRET") == SECRET  # the scorer's env is intact
     assert os.getppid() != 1 or os.getpid() == 1  # parent still there
-    # the scorer still works after the hostile batch
     assert run_program(GOOD, kind="asserts", tests=ADD_TESTS, limits=LIMITS).fraction == 1.0
+
+
+def test_contained_quickly(batch):
+    for name in ("fork_bomb", "fork_bomb_setsid", "kill_parent", "memory_bomb"):
+        res = batch["results"][name]
+        assert res.wall_s < LIMITS.wall_seconds + 3, (name, res)
+
+
+def test_reports_say_why(batch):
+    res = batch["results"]
+    assert res["infinite_loop"].status in ("killed", "timeout")
+    # killed by the CPU rlimit, or by the wall clock first when the machine is loaded
+    assert re.search("SIGXCPU|timeout", res["infinite_loop"].error)
+    assert res["sleep_forever"].status == "timeout"
+    assert "timeout" in res["sleep_forever"].error
+    assert res["os_exit_module"].status == "exited"
+    assert "before the tests finished" in res["os_exit_in_candidate"].error
+    assert "MemoryError" in res["huge_alloc"].error
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_detached_daemon_dies_with_the_verdict(mode, tmp_path):
+    """A double-forked, setsid daemon that would act after the verdict is gone when
+    run_program returns (not merely some time later)."""
+    src = prog("""
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                time.sleep(1.5)  # after the verdict
+                for p in ("/tmp/late", "/work/late"):
+                    try:
+                        open(p, "w").write("late")
+                    except OSError:
+                        pass
+                time.sleep(60)
+            os._exit(0)
+        def add(a, b):
+            return a + b
+    """)
+    iso = None if mode == "auto-without-bwrap" else mode
+    with bwrap_hidden() if iso is None else contextlib.nullcontext():
+        res = run_program(src, kind="asserts", tests=ADD_TESTS, limits=LIMITS, isolation=iso)
+    assert sandbox_uids_alive() == [], "the daemon outlived the verdict"
+    assert res.fraction == 1.0  # the program itself was correct
+    time.sleep(1.7)
+    assert sandbox_uids_alive() == [] and not os.path.exists("/work/late")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_timeout_kills_whole_namespace(mode):
+    src = prog("""
+        import subprocess, sys, time
+        subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(60)"])
+        time.sleep(60)
+    """)
+    iso = None if mode == "auto-without-bwrap" else mode
+    with bwrap_hidden() if iso is None else contextlib.nullcontext():
+        res = run_program(src, kind="run", limits=Limits(wall_seconds=1.5), isolation=iso)
+    assert res.status == "timeout"
+    assert sandbox_uids_alive() == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_signal_exit_code_not_trusted(mode):
+    iso = None if mode == "auto-without-bwrap" else mode
+    with bwrap_hidden() if iso is None else contextlib.nullcontext():
+        res = run_program(
+            "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)",
+            kind="run",
+            limits=LIMITS,
+            isolation=iso,
+        )
+    assert res.status == "killed" and not res.program_ok and "SIGTERM" in res.error
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_private_tmpfs_and_readonly_rest(mode):
+    """The program may write its working directory and /tmp (a private tmpfs), nothing else;
+    the Python installation is readable (as the unprivileged uid when the scorer is root)."""
+    src = prog(f"""
+        import os, sys
+        open("here.txt", "w").write("ok")
+        open("/tmp/t.txt", "w").write("ok")
+        for p in ["/usr/x", sys.prefix + "/x", "/x", "/proc/sys/kernel/hostname"]:
+            try:
+                open(p, "w").write("x")
+                raise SystemExit(f"wrote {{p}}")
+            except OSError:
+                pass
+        if {os.geteuid() == 0} and os.getuid() == 0:
+            raise SystemExit("runs as root")
+    """)
+    iso = None if mode == "auto-without-bwrap" else mode
+    with bwrap_hidden() if iso is None else contextlib.nullcontext():
+        res = run_program(src, kind="run", limits=LIMITS, isolation=iso)
+    assert res.status == "ok" and res.program_ok, res
+
+
+def test_auto_without_bwrap_is_namespaces_not_weaker():
+    if not available("namespaces"):
+        pytest.skip("no namespaces here")
+    with bwrap_hidden():
+        iso = detect_isolation()
+    assert iso.mode == "namespaces" and iso.contained and iso.nproc_enforced
+
+
+def test_none_only_when_named_and_logged(caplog, tmp_path):
+    with caplog.at_level(logging.WARNING, logger="grpo_core.rewards.sandbox"):
+        sandbox._detect.cache_clear()
+        iso = detect_isolation("none")
+    assert iso.mode == "none" and not iso.contained
+    assert "NOT isolated" in caplog.text and "on purpose" in caplog.text
+    progs = hostile(0)
+    jobs = [{"program": progs[n], "kind": "asserts", "tests": ADD_TESTS} for n in HARMLESS]
+    results = run_many(jobs, limits=LIMITS, workers=2, progress=False, isolation="none")
+    for name, res in zip(HARMLESS, results, strict=True):
+        assert res.passed == 0 and res.error, (name, res)
+
+
+def _no_namespaces(monkeypatch):
+    """This machine as one where neither bwrap nor namespaces can run."""
+    fail = "import os\nos.write(2, b'sandbox setup failed: unshare: Operation not permitted\\n')\n"
+    monkeypatch.setattr(sandbox, "_NSINIT", fail + "os._exit(125)\n")
+    sandbox._detect.cache_clear()
+
+
+def test_fails_closed_when_nothing_isolates(monkeypatch):
+    _no_namespaces(monkeypatch)
+    with bwrap_hidden():
+        with pytest.raises(SandboxUnavailable) as err:
+            detect_isolation()
+        msg = str(err.value)
+        assert "bubblewrap is not installed" in msg and "Operation not permitted" in msg
+        assert "apt-get install bubblewrap" in msg and "sandbox.isolation=none" in msg
+        # the executing rewards refuse: score_completions stops instead of scoring rows
+        cols = {"test_list": [ADD_TESTS]}
+        for name in ("code_tests", "code_runs"):
+            with pytest.raises(SandboxUnavailable):
+                rewards.score_completions(["p"], [GOOD], cols, {name: 1.0})
+        with pytest.raises(SandboxUnavailable, match="bubblewrap is not installed"):
+            run_program(GOOD, kind="asserts", tests=ADD_TESTS, isolation="bwrap")
+        # named on purpose, the weaker mode runs
+        assert run_program(GOOD, kind="asserts", tests=ADD_TESTS, isolation="none").fraction == 1
+    sandbox._detect.cache_clear()
+
+
+def test_isolation_names(monkeypatch):
+    assert requested_isolation() == "auto"
+    monkeypatch.setenv("GRPO_SANDBOX_ISOLATION", "namespaces")
+    assert requested_isolation() == "namespaces"
+    assert requested_isolation("bwrap") == "bwrap"  # an explicit argument wins
+    monkeypatch.setenv("GRPO_SANDBOX_ISOLATION", "unshare")
+    with pytest.raises(ValueError, match="GRPO_SANDBOX_ISOLATION"):
+        requested_isolation()
+    with pytest.raises(ValueError, match="auto, bwrap, namespaces, none"):
+        requested_isolation("chroot")
 
 
 def test_partial_credit_and_humaneval():
@@ -259,17 +599,3 @@ def test_partial_credit_and_humaneval():
     )
     assert (res.passed, res.total) == (0, 5)
     assert "ZeroDivisionError" in res.error
-
-
-def test_timeout_kills_whole_group():
-    src = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\nimport time\ntime.sleep(60)"
-    res = run_program(src, kind="run", limits=Limits(wall_seconds=1.5, cpu_seconds=1))
-    assert res.status == "timeout"
-    assert sandbox_uids_alive() == []
-
-
-def test_signal_exit_code_not_trusted():
-    res = run_program(
-        "import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", kind="run", limits=LIMITS
-    )
-    assert res.status == "killed" and not res.program_ok
