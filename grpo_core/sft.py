@@ -93,6 +93,7 @@ def train_sft(
     resume_dir: str | Path | None = None,
     resume_key: str = "",
     on_resume: Callable[[int, list[dict]], None] | None = None,
+    logger: logging.Logger | logging.LoggerAdapter | None = None,
 ) -> SFTResult:
     """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1].
 
@@ -101,7 +102,10 @@ def train_sft(
     ``resume_dir`` holds a state saved with the same ``resume_key``, training continues from
     it and ``on_resume(step, history)`` gets the restored steps' metrics. A state with
     another key is ignored. The caller deletes ``resume_dir`` once its output is saved.
+    ``logger``: where dev evals, checkpoints and resumes are reported (default: this
+    module's logger).
     """
+    logger = logger or log
     if not rows:
         raise ValueError("SFT: no training rows")
     data = encode_examples(tokenizer, rows)
@@ -114,7 +118,7 @@ def train_sft(
     loss_val, stopped = float("nan"), False
     step = 0
     resume_dir = Path(resume_dir) if resume_dir is not None else None
-    state = _resume_state(resume_dir, resume_key, desc)
+    state = _resume_state(resume_dir, resume_key, desc, logger)
     if state is not None:
         load_weights_(model, resume_dir)
         opt.load_state_dict(state["optimizer"])  # after the scheduler set lr to step 0's
@@ -124,7 +128,7 @@ def train_sft(
         history, dev_history = state["history"], state["dev_history"]
         loss_val = state["loss"]
         set_rng_state(state["rng"])
-        log.info("%s: resumed at step %d of %d from %s", desc, step, max_steps, resume_dir)
+        logger.info("%s: resumed at step %d of %d from %s", desc, step, max_steps, resume_dir)
         if on_resume is not None:
             on_resume(step, history)
     resumed_from = step
@@ -159,7 +163,7 @@ def train_sft(
                 model.train()
                 dev_history.append({"step": step, "accuracy": acc})
                 metrics["dev/accuracy"] = acc
-                log.info("%s step %d: loss %.4f, dev accuracy %.3f", desc, step, loss_val, acc)
+                logger.info("%s step %d: loss %.4f, dev accuracy %.3f", desc, step, loss_val, acc)
                 if target_accuracy is not None and step >= min_steps and acc >= target_accuracy:
                     stopped = True
             if on_step is not None:
@@ -193,21 +197,21 @@ def train_sft(
                     trainer_state=state,
                     info={"stage": desc, "step": step, "resume_key": resume_key},
                 )
-                log.info("%s: resume checkpoint at step %d of %d", desc, step, max_steps)
+                logger.info("%s: resume checkpoint at step %d of %d", desc, step, max_steps)
     model.eval()
     return SFTResult(step, loss_val, history, dev_history, stopped, resumed_from)
 
 
-def _resume_state(resume_dir: Path | None, key: str, desc: str) -> dict | None:
+def _resume_state(resume_dir: Path | None, key: str, desc: str, logger) -> dict | None:
     """The resume state in ``resume_dir`` when it was saved for ``key``; else None."""
     if resume_dir is None or not (resume_dir / TRAINER_STATE).exists():
         return None
     state = load_trainer_state(resume_dir)
     if not isinstance(state, dict) or state.get("kind") != SFT_STATE:
-        log.warning("%s: %s holds no SFT resume state; starting at step 0", desc, resume_dir)
+        logger.warning("%s: %s holds no SFT resume state; starting at step 0", desc, resume_dir)
         return None
     if state.get("key") != key:
-        log.info(
+        logger.info(
             "%s: %s was saved for other inputs or settings; starting at step 0", desc, resume_dir
         )
         return None

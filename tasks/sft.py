@@ -88,6 +88,7 @@ def train_stage(
             resume_dir=Workspace.resume_checkpoint(out_checkpoint),
             resume_key=resume_key,
             on_resume=on_resume,
+            logger=log,
         )
     save_checkpoint(
         w.model,

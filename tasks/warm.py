@@ -120,6 +120,7 @@ def train_state(
     from an uninterrupted run's.
     """
     from grpo_core.trainer_state import rng_state, seed_all
+    from tasks.common import logger
 
     if global_step > 0:
         live = warm.train
@@ -139,9 +140,11 @@ def train_state(
             opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
             sched.load_state_dict(saved["scheduler"])
             warm.train = TrainState(key, opt, sched, global_step, saved["rng"])
-            log.info("%s: optimizer state at step %d from disk", warm.checkpoint, global_step)
+            logger(__name__).info(
+                "%s: optimizer state at step %d from disk", warm.checkpoint, global_step
+            )
             return warm.train
-        log.warning(
+        logger(__name__).warning(
             "%s has no trainer state for %s at step %d (pruned or other settings): AdamW "
             "starts fresh, so this stage will not match an uninterrupted run; rerun it with "
             "--force %s to retrain it exactly",

@@ -1,0 +1,207 @@
+"""A killed `grpo run` resumes to the same result (issue 12, items 1 and 2).
+
+`grpo run` runs as a real process and is killed with SIGKILL at four points: mid cold-start
+SFT (after a resume checkpoint), mid rl_1 and mid rl_2 (after an iteration's update), mid
+re-SFT. Each rerun continues where the previous one stopped; the final weights of every
+stage, bit for bit, and the summary's accuracy table equal those of an uninterrupted run of
+the same config in another folder (which runs at the same time, to save wall time). Both
+run a snapshot of the code taken when the test starts: the stage cache keys include the code
+version, and a rerun resumes only under the same keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from tests_support import TINY_OVERRIDES
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
+MARKER = "GRPO_RESUME_TEST"  # in the environment of every process a run starts
+PACKAGES = ("grpo_core", "tasks", "flows", "configs", "infra")
+
+# Long enough SFT stages to be killed between resume checkpoints, three RL iterations each.
+RESUME_OVERRIDES = {
+    "sft.max_steps": "60",
+    "sft.checkpoint_every": "10",
+    "rl.iterations": "3",
+    "rl.eval_every": "3",
+    "re_sft.max_steps": "30",
+    "rl_2": "{iterations: 3}",
+    "torch_threads": "1",
+}
+OVERRIDES = [o for o in TINY_OVERRIDES if o.split("=", 1)[0] not in RESUME_OVERRIDES] + [
+    f"{k}={v}" for k, v in RESUME_OVERRIDES.items()
+]
+
+# (log line after which the run is killed, line the rerun must print). SFT is killed once it
+# has written a resume checkpoint; RL once the next iteration's rollout is done (the previous
+# iteration is recorded), so the rerun loads that iteration's trainer state from disk.
+KILLS = [
+    (r"cold_start_sft: resume checkpoint at step 20 ", r"cold_start_sft: resumed at step \d+"),
+    (
+        r"rl_1 iteration 1: \d+ completions",
+        r"rl_1/iter_0000/checkpoint: optimizer state at step 2 ",
+    ),
+    (r"re_sft: resume checkpoint at step 10 ", r"re_sft: resumed at step \d+"),
+    (
+        r"rl_2 iteration 2: \d+ completions",
+        r"rl_2/iter_0001/checkpoint: optimizer state at step 4 ",
+    ),
+]
+
+
+class Run:
+    """One `grpo run` process; ``kill_on``: SIGKILL it when a line of its output matches."""
+
+    def __init__(self, code: Path, cwd: Path, kill_on: str | None = None):
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME"))
+        }
+        env.update(
+            PREFECT_HOME=str(cwd / "prefect-home"),
+            PYTHONPATH=str(code),
+            PYTHONUNBUFFERED="1",
+            **{MARKER: str(cwd)},
+        )
+        cmd = [sys.executable, "-m", "flows.cli", "run"]
+        cmd += [a for o in OVERRIDES for a in ("--set", o)]
+        cmd += ["--set", f"output_dir={cwd / 'runs'}", "--set", "run_name=r"]
+        self.cwd, self.lines, self.killed, self.leftovers = cwd, [], False, []
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        self.reader = threading.Thread(target=self._read, args=(kill_on,), daemon=True)
+        self.reader.start()
+
+    def _read(self, kill_on: str | None) -> None:
+        pattern = re.compile(kill_on) if kill_on else None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if pattern and not self.killed and pattern.search(line):
+                self.killed = True
+                self.proc.send_signal(signal.SIGKILL)
+
+    def wait(self, timeout: float) -> str:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            self.reader.join(timeout=10)
+            self.leftovers = _kill_leftovers(self.cwd)
+        out = "".join(self.lines)
+        (self.cwd / f"grpo-run-{self.proc.pid}.log").write_text(out)  # for a failure's reader
+        return out
+
+
+def _kill_leftovers(cwd: Path) -> list[int]:
+    """SIGKILL what a run left behind (a temporary Prefect server that outlived a killed
+    run), found by the marker in its environment; returns their pids."""
+    needle = f"{MARKER}={cwd}".encode()
+    found = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            continue
+        try:
+            env = (pid_dir / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if needle in env:
+            found.append(int(pid_dir.name))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+    return found
+
+
+def _weights(run_dir: Path) -> dict[str, str]:
+    return {
+        s: hashlib.sha256(
+            (run_dir / "checkpoints" / s / "model.safetensors").read_bytes()
+        ).hexdigest()
+        for s in STAGES
+    }
+
+
+def _accuracy_table(out: str) -> list[list[str]]:
+    """The summary table's rows (stage, accuracy, format rate, mean length), wall time left
+    out."""
+    rows = [
+        [c.strip() for c in line.strip().strip("│").split("│")]
+        for line in out.splitlines()
+        if line.startswith("│")
+    ]
+    return [r[:4] for r in rows if r and r[0] in STAGES]
+
+
+def _adam_step(ckpt: Path) -> float:
+    import torch
+
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=False)["optimizer"]["state"]
+    return float(next(iter(state.values()))["step"])
+
+
+@pytest.mark.slow
+def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
+    t0 = time.perf_counter()
+    code = tmp_path / "code"
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    reference = Run(code, tmp_path / "uninterrupted")
+    try:
+        resumed = tmp_path / "killed"
+        outputs, leftovers = [], []
+        for kill_on, _ in KILLS:
+            run = Run(code, resumed, kill_on=kill_on)
+            out = run.wait(timeout=240)
+            assert run.killed, f"never saw {kill_on!r}:\n{out[-4000:]}"
+            outputs.append(out)
+            leftovers += run.leftovers
+        final = Run(code, resumed)
+        out = final.wait(timeout=240)
+        assert final.proc.returncode == 0, out[-4000:]
+        outputs.append(out)
+        ref_out = reference.wait(timeout=240)
+        assert reference.proc.returncode == 0, ref_out[-4000:]
+    finally:
+        for cwd in (tmp_path / "uninterrupted", tmp_path / "killed"):
+            _kill_leftovers(cwd)
+
+    # each rerun continued where the killed run stopped (SFT from its resume checkpoint, RL
+    # from the last iteration's trainer state on disk)
+    for (_, resumed_line), rerun in zip(KILLS, outputs[1:], strict=True):
+        assert re.search(resumed_line, rerun), f"{resumed_line!r} not in:\n{rerun[-4000:]}"
+    assert "Traceback" not in outputs[-1]
+    for stage in ("cold_start_sft", "re_sft"):  # deleted once the stage is done
+        assert not (resumed / "runs/r/checkpoints" / f"{stage}.resume").exists()
+
+    assert _weights(resumed / "runs/r") == _weights(tmp_path / "uninterrupted/runs/r")
+    table = _accuracy_table(outputs[-1])
+    assert [r[0] for r in table] == list(STAGES)
+    assert table == _accuracy_table(ref_out)
+    # rl_2's AdamW starts at rl_2's first step: 2 optimizer steps per iteration
+    for root in (resumed, tmp_path / "uninterrupted"):
+        assert _adam_step(root / "runs/r/rl_2/iter_0001/checkpoint") == 4
+    print(
+        f"kill/rerun test: {time.perf_counter() - t0:.0f}s; "
+        f"{len(leftovers)} processes outlived the 4 killed runs: {leftovers}"
+    )
