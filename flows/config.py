@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
@@ -49,6 +50,15 @@ class TrackingConfig(Section):
     experiment: str = "grpo-pipeline"
 
 
+class SandboxConfig(Section):
+    """Isolation of the rewards that execute model-written code (docs/rewards.md)."""
+
+    isolation: Literal["auto", "bwrap", "namespaces", "none"] = Field(
+        "auto",
+        description="auto: bwrap, else built-in namespaces, else refuse; none only on purpose",
+    )
+
+
 class PipelineConfig(Section):
     """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
 
@@ -64,6 +74,7 @@ class PipelineConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rewards: dict[str, float] = Field(default_factory=lambda: {"accuracy": 1.0, "format": 0.1})
+    sandbox: SandboxConfig = SandboxConfig()
     rollout: RolloutConfig = RolloutConfig()
     sft: SFTConfig = SFTConfig()
     rl: RLConfig = RLConfig()
@@ -83,6 +94,12 @@ class PipelineConfig(Section):
             raise ValueError(
                 f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
             )
+        if "sandbox" in self.model_fields_set:
+            # the code rewards of every stage (RL scoring, rejection sampling, evaluation) in
+            # this process and the task processes it starts read it from there
+            from grpo_core.rewards.sandbox import ISOLATION_ENV
+
+            os.environ[ISOLATION_ENV] = self.sandbox.isolation
         return self
 
     def forced(self, stage: str) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from prefect import flow
 
+from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path
@@ -54,7 +55,8 @@ def rl_stage(
     knobs = rl.model_dump()
     config = {**knobs, "rewards": weights, "seed": seed, "engine": engine}
     run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
-    tracking.log_params(run_id, {**knobs, "rewards": weights})
+    sandbox = rewards.sandbox_params(weights)  # the code sandbox's isolation, resolved now
+    tracking.log_params(run_id, {**knobs, "rewards": weights, "sandbox": sandbox})
     tracking.log_json(
         run_id,
         {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},

@@ -38,6 +38,7 @@ def score_file(
     max_completion_length: int | None = None,
     max_error_rate: float = 1.0,
     label: str | None = None,
+    sandbox_isolation: str | None = None,
 ) -> ScoreResult:
     """Score every completion of ``rollouts_path``; returns path and TRL-named metrics.
 
@@ -57,7 +58,9 @@ def score_file(
     from grpo_core.rewards.length import soft_overlong_penalty
     from grpo_core.rewards.scoring import reward_matrix
 
-    functions, all_weights = {}, dict(weights)
+    # code rewards: bound to the sandbox isolation (None: sandbox.isolation / auto), which is
+    # resolved now, so a machine that cannot isolate stops here (SandboxUnavailable)
+    functions, all_weights = rewards.sandboxed(weights, sandbox_isolation), dict(weights)
     if overlong_buffer_length:
         if OVERLONG in weights:
             raise ValueError(
@@ -97,6 +100,7 @@ def score_file(
                 "scale_rewards": scale_rewards,
                 "multi_objective_aggregation": multi_objective_aggregation,
                 "overlong_buffer_length": overlong_buffer_length,
+                "sandbox": rewards.isolation_label(weights, sandbox_isolation),
             },
         )
         write_parquet(scored, out_path)

@@ -27,7 +27,13 @@ from grpo_core.rewards.base import (
     names,
     register,
 )
-from grpo_core.rewards.code import extract_program, isolation_label, run_many, sandboxed
+from grpo_core.rewards.code import (
+    extract_program,
+    isolation_label,
+    run_many,
+    sandbox_params,
+    sandboxed,
+)
 from grpo_core.rewards.length import cosine_scaled, repetition_penalty, soft_overlong_penalty
 from grpo_core.rewards.sandbox import (
     Limits,
@@ -55,6 +61,7 @@ __all__ = [
     "repetition_penalty",
     "run_many",
     "run_program",
+    "sandbox_params",
     "sandboxed",
     "soft_overlong_penalty",
     "get",

@@ -34,6 +34,7 @@ from grpo_core.rewards.sandbox import (
     RunResult,
     SandboxUnavailable,
     detect_isolation,
+    requested_isolation,
     run_program,
 )
 
@@ -192,6 +193,17 @@ def isolation_label(names, isolation: str | None = None) -> str | None:
     if not any(n in EXECUTING for n in names):
         return None
     return detect_isolation(isolation).describe()
+
+
+def sandbox_params(names, isolation: str | None = None) -> dict[str, str]:
+    """The sandbox as a stage's parameters: ``isolation`` (as requested: argument, else
+    ``$GRPO_SANDBOX_ISOLATION``, else ``auto``) and ``mode`` (what runs the programs, resolved
+    now when an executing reward is among ``names``: raises :class:`SandboxUnavailable` at the
+    stage's start on a machine that cannot isolate; ``"unused"`` otherwise)."""
+    return {
+        "isolation": requested_isolation(isolation),
+        "mode": isolation_label(names, isolation) or "unused",
+    }
 
 
 @register("code_tests")

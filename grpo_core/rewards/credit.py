@@ -147,6 +147,13 @@ def _propagate(trees: list[ast.Module], tainted: set[str]) -> set[str]:
                 params = [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
                 params += [p.arg for p in (a.vararg, a.kwarg) if p]
                 functions.setdefault(node.name, []).extend(params)
+    imported = {
+        (a.asname or a.name).split(".")[0]
+        for tree in trees
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for a in node.names
+    }
     edges: list[tuple[set[str], list[str]]] = []  # (names used, names that then derive)
     for tree in trees:
         for node in ast.walk(tree):
@@ -165,7 +172,8 @@ def _propagate(trees: list[ast.Module], tainted: set[str]) -> set[str]:
                     *(_names(a) for a in node.args), *(_names(k.value) for k in node.keywords)
                 )
                 if isinstance(node.func, ast.Attribute):  # out.append(candidate(x))
-                    edges.append((args, _base_name(node.func.value)))
+                    receiver = [n for n in _base_name(node.func.value) if n not in imported]
+                    edges.append((args, receiver))  # (math.fabs(...) changes no module)
                 elif isinstance(node.func, ast.Name) and node.func.id in functions:
                     edges.append((args, functions[node.func.id]))
     changed = True

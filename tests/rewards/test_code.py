@@ -4,9 +4,11 @@ import shutil
 import pytest
 
 from grpo_core import rewards
+from grpo_core.rewards import code as code_mod
+from grpo_core.rewards import sandbox as sandbox_mod
 from grpo_core.rewards.code import extract_program, has_real_assert
 from grpo_core.rewards.code import test_spec as spec_of
-from grpo_core.rewards.sandbox import Limits, detect_isolation, run_program
+from grpo_core.rewards.sandbox import Limits, SandboxUnavailable, detect_isolation, run_program
 
 FAST = Limits(wall_seconds=4.0, cpu_seconds=2)
 
@@ -117,19 +119,18 @@ def test_malformed_programs_score_zero(completion):
     assert res.fraction == 0.0 and res.error
 
 
-def test_unshare_fallback_runs_and_is_not_forgeable():
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare")
+@pytest.mark.parametrize("mode", ["bwrap", "namespaces"])
+def test_each_isolation_runs_and_is_not_forgeable(mode):
     try:
-        detect_isolation("unshare")
-    except RuntimeError:
-        pytest.skip("unshare does not work here")
+        detect_isolation(mode)
+    except SandboxUnavailable:
+        pytest.skip(f"no {mode} here")
     good = run_program(
         "def f():\n    return 1\n",
         kind="asserts",
         tests=["assert f() == 1"],
         limits=FAST,
-        isolation="unshare",
+        isolation=mode,
     )
     assert good.fraction == 1.0
     bad = run_program(
@@ -137,6 +138,65 @@ def test_unshare_fallback_runs_and_is_not_forgeable():
         kind="asserts",
         tests=["assert f() == 1"],
         limits=FAST,
-        isolation="unshare",
+        isolation=mode,
     )
     assert bad.fraction == 0.0 and bad.status == "exited"
+
+
+def test_sandboxed_binds_the_isolation(monkeypatch):
+    """score_completions(functions=sandboxed(weights, isolation)): the executing rewards run
+    under that isolation; the others are left to the registry."""
+    bound = rewards.sandboxed({"code_tests": 1.0, "code_runs": 0.5, "format": 0.1}, "none")
+    assert set(bound) == {"code_tests", "code_runs"}
+    assert rewards.sandboxed({"accuracy": 1.0}, "bogus-never-resolved") == {}
+    seen = []
+    real = sandbox_mod.detect_isolation
+    monkeypatch.setattr(
+        code_mod, "detect_isolation", lambda iso=None: seen.append(iso) or real(iso)
+    )
+    res = rewards.score_completions(
+        ["p"],
+        ["```python\ndef total(xs):\n    return sum(xs)\n```"],
+        {"test": [HUMANEVAL_TEST], "entry_point": ["total"]},
+        {"code_tests": 1.0},
+        functions=bound,
+    )
+    assert res.per_function["code_tests"] == [1.0] and seen == ["none"]
+    assert rewards.isolation_label(["code_tests"], "none").startswith("none (")
+    assert rewards.isolation_label(["accuracy"], "none") is None
+
+
+STUB_TEST = """
+def check(candidate):
+    assert True, "This prints if this assert fails 1 (good for debugging!)"
+    assert candidate([1, 2]) == 2
+    assert not candidate([3])
+    assert abs(candidate([0.5]) - 0.5) < 1e-6
+    assert True, "This prints if this assert fails 2 (also good for debugging!)"
+    assert candidate([]) == None
+"""
+STUB_CANONICAL = "def last(xs):\n    if not xs:\n        return None\n    return xs[-1] if xs[-1] != 3 else False\n"
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (STUB_CANONICAL, 1.0),
+        ("def last(xs):\n    return None\n", 0.25),  # only `== None` is its right answer
+        ("def last(xs):\n    pass\n", 0.25),
+        ("def last(xs):\n    return 0\n", 0.0),  # 0 is not False, not None
+        ("def last(xs):\n    return []\n", 0.0),
+    ],
+)
+def test_stub_partial_credit(body, expected):
+    """`assert True` lines count for nothing; `assert not candidate(...)` wants a real False."""
+    fn = rewards.get("code_tests")
+    out = fn(
+        ["p"],
+        [body],
+        test=[STUB_TEST],
+        entry_point=["last"],
+        sandbox_limits=FAST,
+        sandbox_progress=False,
+    )
+    assert out == [pytest.approx(expected)], out.errors
