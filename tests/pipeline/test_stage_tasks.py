@@ -16,6 +16,7 @@ from grpo_core.checkpoint import load_checkpoint, policy_id, save_checkpoint
 from grpo_core.config import EvalConfig, RejectionConfig, RLConfig, SFTConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
+from grpo_core.errors import UserError
 from grpo_core.io import write_jsonl, write_parquet
 from grpo_core.rewards.format import is_r1_format
 from grpo_core.sft import train_sft
@@ -192,7 +193,7 @@ def test_rejection_sampling_keeps_only_passing_completions(
     strict = RejectionConfig(
         num_prompts=8, num_generations=2, max_completion_length=8, require=["accuracy"]
     )
-    with pytest.raises(RuntimeError, match="kept no completion"):
+    with pytest.raises(UserError, match="kept no completion.*rejection_sampling.require"):
         rejection_sampling.fn(
             str(tiny_checkpoint),
             data["rl"],
