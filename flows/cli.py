@@ -36,16 +36,31 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     preflight.check_run(cfg)  # before Prefect starts: a bad input is one line, nothing written
     apply_defaults(cfg.output_dir)
-    server = local_server.start()  # starts while the imports below run
-    from flows.r1 import r1_pipeline
-    from flows.summary import render_summary
-    from tasks.tracking import Tracking
+    from flows import interrupts
+    from flows.lock import WorkspaceBusy, acquire_workspace
 
-    # Open the MLflow store while the Prefect server is still starting: the first open of a
-    # sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.
-    Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
-    with local_server.attach(server):
-        summary = r1_pipeline(cfg)
+    try:  # one run per workspace; the kernel drops the lock when this process ends
+        acquire_workspace(cfg.output_dir, cfg.run_name)
+    except WorkspaceBusy as e:
+        print(f"grpo: error: {e}", file=sys.stderr)
+        return 2
+    interrupts.install()  # Ctrl-C / SIGTERM: runs marked KILLED, one line, exit 130 / 143
+    server = local_server.start()  # starts while the imports below run
+    try:
+        from flows.r1 import r1_pipeline
+        from flows.summary import render_summary
+        from tasks.tracking import Tracking
+
+        # Open the MLflow store while the Prefect server is still starting: the first open of
+        # a sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.
+        Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
+        with local_server.attach(server):
+            summary = r1_pipeline(cfg)
+    except BaseException as e:
+        code = interrupts.finish(e, stop_server=server and (lambda: server.stop(drain=False)))
+        if code is None:
+            raise
+        return code
     render_summary(summary)
     return 0
 

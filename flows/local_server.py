@@ -11,6 +11,12 @@ then talks to it through ``PREFECT_API_URL`` and it is stopped when the command 
 A server configured by the user (``PREFECT_API_URL`` in the environment, the active Prefect
 profile or the settings context of a test harness) is used as is, and so is Prefect's own
 choice when ephemeral mode is off.
+
+The server dies with the command, however the command ends: it is stopped at exit (after
+Prefect has sent it the flow's last states), and on Linux the kernel sends it SIGTERM when
+the ``grpo`` process dies (``PR_SET_PDEATHSIG``, set by the server process itself before it
+loads uvicorn), SIGKILL included. It runs in its own session, so Ctrl-C in the terminal
+reaches ``grpo`` only, and the server is still there to record the flow run as crashed.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import atexit
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +57,23 @@ _SERVER_DEFAULTS = {
 _FINISHED_TASK_RUNS = json.dumps(
     {"task_runs": {"state": {"type": {"any_": ["COMPLETED", "FAILED", "CANCELLED", "CRASHED"]}}}}
 ).encode()
+
+
+# Runs uvicorn as ``python -m uvicorn`` does, after asking the kernel to SIGTERM this process
+# when its parent dies (prctl(PR_SET_PDEATHSIG); survives exec, set in the child itself
+# rather than in a preexec_fn, which is unsafe once the parent has threads). A parent that
+# died before the prctl call is caught by comparing getppid() with the pid it passed.
+_LAUNCHER = """
+import ctypes, os, signal, sys
+parent = int(sys.argv.pop(1))
+if sys.platform.startswith("linux"):
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+if os.getppid() != parent:
+    sys.exit(0)
+sys.argv[0] = "uvicorn"
+from uvicorn.main import main
+main()
+"""
 
 
 def _free_port() -> int:
@@ -90,8 +114,9 @@ class LocalServer:
         self.process = subprocess.Popen(
             [
                 sys.executable,
-                "-m",
-                "uvicorn",
+                "-c",
+                _LAUNCHER,
+                str(os.getpid()),
                 "--app-dir",
                 str(prefect_dir.parent),
                 "--factory",
@@ -106,6 +131,7 @@ class LocalServer:
                 "on",
             ],
             env={**_SERVER_DEFAULTS, **os.environ, **_SERVER_ENV},
+            start_new_session=True,  # its own process group; Ctrl-C does not reach it
         )
 
     def wait(self, timeout: float) -> None:
@@ -160,20 +186,33 @@ class LocalServer:
             elif time.monotonic() - since >= quiet_s:
                 return
 
-    def stop(self) -> None:
+    def stop(self, drain: bool = True) -> None:
+        """Stop the server and anything it started (its process group); ``drain=False``
+        skips waiting for it to record the last task-run events."""
         if self.process is None:
             return
-        if self.process.poll() is None:
+        if drain and self.process.poll() is None:
             t0 = time.perf_counter()
             self.drain()
             log.debug("drained in %.1f s", time.perf_counter() - t0)
-        self.process.terminate()
+        _signal_group(self.process, signal.SIGTERM)
         try:
             self.process.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            _signal_group(self.process, signal.SIGKILL)
             self.process.wait()
         self.process = None
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """``sig`` to the server's process group (its pid: it leads its own session), while the
+    server has not been reaped (after that its pid may name another process)."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        process.send_signal(sig)
 
 
 def start() -> LocalServer | None:

@@ -18,6 +18,7 @@ import time
 from prefect import flow
 
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
+from flows.lock import acquire_workspace
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
 from flows.summary import publish_stage_artifact
@@ -26,12 +27,32 @@ from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
 from tasks.results import EvalOutcome
 from tasks.sft import sft_stage
-from tasks.tracking import Tracking, config_hash
+from tasks.tracking import Tracking, config_hash, end_open_runs
 from tasks.workspace import Workspace
 
 
-@flow(name="r1-pipeline", flow_run_name="{cfg.run_name}", log_prints=True)
+def _end_tracking(flow, flow_run, state) -> None:
+    """Flow hook: a failed pipeline ends its open MLflow runs FAILED; a crashed (interrupted:
+    Ctrl-C, SIGTERM) or cancelled one ends them KILLED."""
+    end_open_runs("FAILED" if state.is_failed() else "KILLED", flow_run=str(flow_run.id))
+
+
+@flow(
+    name="r1-pipeline",
+    flow_run_name="{cfg.run_name}",
+    log_prints=True,
+    on_failure=[_end_tracking],
+    on_crashed=[_end_tracking],
+    on_cancellation=[_end_tracking],
+)
 def r1_pipeline(cfg: PipelineConfig) -> dict:
+    # one run per workspace (the `grpo` CLI already holds the lock: this nests)
+    with acquire_workspace(cfg.output_dir, cfg.run_name):
+        return run_pipeline(cfg)
+
+
+def run_pipeline(cfg: PipelineConfig) -> dict:
+    """The recipe's body, in the r1-pipeline flow, with the workspace locked."""
     import yaml
 
     if cfg.torch_threads:
@@ -44,9 +65,10 @@ def r1_pipeline(cfg: PipelineConfig) -> dict:
     tracking = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment).start_parent(
         cfg.run_name,
         {"pipeline": "r1", "seed": str(cfg.seed), "config_hash": config_hash(settings)},
+        params=cfg.model_dump(),
+        workspace=ws.root,  # a killed run of this workspace: its runs end, its parent goes on
     )
     parent = tracking.parent_run_id
-    tracking.log_params(parent, cfg.model_dump())
     tracking.log_text(parent, yaml.safe_dump(cfg.model_dump(), sort_keys=False), "config.yaml")
     timings: dict[str, float] = {}
     ckpts: dict[str, str] = {}
