@@ -75,6 +75,24 @@ def _checkpoint(src: Path, dst: Path, edit=None) -> str:
     return str(dst)
 
 
+def _real_scored(ck: Path, d: Path) -> str:
+    """Rollouts sampled from ``ck`` (metadata records its tokenizer), with reward/advantage."""
+    import pyarrow.parquet as pq
+
+    from tasks.rollout import sample_rollouts
+
+    rows = [{"prompt": "12+34=", "answer": "46"}]
+    out = sample_rollouts(
+        str(ck), rows, str(d / "real_rollouts.parquet"), num_generations=2, temperature=1.0,
+        max_completion_length=4, iteration=0, seed=0,
+    )  # fmt: skip
+    table = pq.read_table(out.path)
+    table = table.append_column("reward", pa.array([1.0, 0.0]))
+    table = table.append_column("advantage", pa.array([0.7, -0.7], pa.float32()))
+    write_parquet(table, d / "real_scored.parquet")
+    return str(d / "real_scored.parquet")
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_checkpoint):
     """Every malformed input, written once; ``work`` is the commands' working directory."""
@@ -153,6 +171,18 @@ def inputs(tmp_path_factory, tiny_checkpoint):
     p["scored_no_adv"] = _parquet(
         d / "scored_noadv.parquet", _rollout_rows(), scored=True, drop=["advantage"]
     )
+    # a real rollout file of the tiny policy, and a policy whose tokenizer has the same
+    # vocabulary size but two tokens swapped
+    p["scored_real"] = _real_scored(ck, d)
+
+    def swap_two_tokens(c):
+        tok = json.loads((c / "tokenizer.json").read_text())
+        vocab = tok["model"]["vocab"]
+        a, b = sorted(vocab, key=vocab.get)[5:7]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (c / "tokenizer.json").write_text(json.dumps(tok))
+
+    p["ck_swapped"] = _checkpoint(ck, d / "ck_swapped", swap_two_tokens)
 
     (d / "bad.yaml").write_text("rl:\n  learning_rate: 1.0e-4\n   beta: 0.1\n")
     p["bad_yaml"] = str(d / "bad.yaml")
@@ -354,6 +384,11 @@ CASES = [
         ["another tokenizer", "0123456789abcdef"],
     ),
     (
+        "update_same_size_tokenizer",
+        lambda p: ["update", "--scored", p["scored_real"], "--policy", p["ck_swapped"]],
+        ["real_scored.parquet", "another tokenizer", "ck_swapped"],
+    ),
+    (
         "update_no_advantage",
         lambda p: ["update", "--scored", p["scored_no_adv"], "--policy", p["ckpt"]],
         ["--scored", "advantage"],
@@ -406,3 +441,20 @@ def test_malformed_input_is_one_line_exit_2_and_writes_nothing(inputs, case):
     assert elapsed < 15, f"took {elapsed:.1f} s"
     assert _snapshot(work, Path(inputs["dir"])) == before, "something was written"
     assert not (work / "runs").exists() and not (work / "mlflow.db").exists()
+
+
+def test_rollout_files_record_the_fingerprint_of_the_tokenizer_json(inputs, tiny_checkpoint):
+    """The fingerprint written at rollout time (from the loaded transformers tokenizer) is
+    the one pre-flight computes from the checkpoint's tokenizer.json; swapping two tokens
+    (same vocabulary size) changes it."""
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    from grpo_core.rollouts import read_metadata_of, tokenizer_fingerprint
+
+    meta = read_metadata_of(pq.read_table(inputs["scored_real"]))
+    own = Tokenizer.from_file(str(Path(tiny_checkpoint) / "tokenizer.json"))
+    swapped = Tokenizer.from_file(str(Path(inputs["ck_swapped"]) / "tokenizer.json"))
+    assert meta["tokenizer"] == tokenizer_fingerprint(own)
+    assert own.get_vocab_size() == swapped.get_vocab_size()
+    assert tokenizer_fingerprint(swapped) != meta["tokenizer"]
