@@ -1,7 +1,7 @@
 """How the ``grpo`` CLI reports the errors a user can fix: one line, exit code 2.
 
 Known errors are ``grpo_core.errors.UserError`` (and any ``ValueError``: bad settings),
-a missing file, a read-only folder or database, and a full disk. :func:`user_message` turns
+a reward that cannot run here (``RewardUnavailable``: no code sandbox), a missing file, a read-only folder or database, and a full disk. :func:`user_message` turns
 one into a single line naming the file or setting and the fix; anything else is a bug and
 keeps its traceback. Most are found by the pre-flight check (flows/preflight.py) before
 Prefect starts; for the rest, raised inside a flow or task, :func:`quiet_prefect_tracebacks`
@@ -18,6 +18,7 @@ import logging
 import os
 
 from grpo_core.errors import UserError
+from grpo_core.rewards.base import RewardUnavailable
 
 EXIT_USER_ERROR = 2
 # the loggers of Prefect's flow and task engines ("Encountered exception during execution",
@@ -58,7 +59,7 @@ def _os_message(exc: OSError) -> str | None:
 def user_message(exc: BaseException) -> str | None:
     """The one-line message for a known error (looking through its causes), else None."""
     for e in _chain(exc):
-        if isinstance(e, UserError | ValueError):
+        if isinstance(e, UserError | ValueError | RewardUnavailable):
             if "readonly database" in str(e):
                 break  # an MLflow/SQLAlchemy error about a read-only sqlite file: below
             return one_line(e)

@@ -13,7 +13,8 @@ What is checked:
 - rewards: every name is a registered reward or an importable ``module:function`` /
   ``path/file.py:function`` with TRL's signature ``fn(prompts, completions, **kwargs)``;
   weights are finite; ``rejection_sampling.require`` names rewards that are computed; the
-  eval section's reward names exist; the data has the columns the built-in rewards read
+  eval section's reward names exist; the data has the columns the built-in rewards read;
+  rewards that run model-written code (``code_tests``, ``code_runs``) have a working sandbox
 - data files (``data.source: files``, ``--data``): they exist and parse, every row has a
   ``prompt`` (and SFT rows a ``completion``) of the right type, no prompt is longer than
   ``data.max_prompt_chars``, each column has one type (grpo_core/data.py)
@@ -80,6 +81,7 @@ def check_run(cfg) -> None:
     check_outputs(cfg)
     check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
     check_reward_names(cfg)
+    check_sandbox([*cfg.rewards, *_eval_rewards(cfg)[0]], cfg)
     missing = [k for k in cfg.rejection_sampling.require if k not in cfg.rewards]
     if missing:
         raise UserError(
@@ -122,6 +124,7 @@ def check_stage(command: str, args, cfg) -> None:
     elif command == "score":
         schema = check_parquet(args.rollouts, "--rollouts", ROLLOUT_COLUMNS)
         check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
+        check_sandbox(cfg.rewards, cfg)
         columns = [{c: True for c in schema.names}]
         check_reward_columns(columns, args.rollouts, "--rollouts", cfg.rewards, "rewards")
         if out and Path(out).resolve() == Path(args.rollouts).resolve():
@@ -136,6 +139,7 @@ def check_stage(command: str, args, cfg) -> None:
     elif command == "eval":
         check_checkpoint(args.checkpoint, "--checkpoint")
         check_reward_names(cfg)
+        check_sandbox(_eval_rewards(cfg)[0], cfg)
         if args.data or files:
             field = "--data" if args.data else "data.eval_path"
             path = args.data or cfg.data.eval_path
@@ -195,6 +199,22 @@ def check_rewards(weights: dict[str, float], *, overlong: bool = False) -> None:
             "rewards: 'overlong_penalty' is the name of rl.overlong_buffer_length's penalty; "
             "rename your reward function"
         )
+
+
+def check_sandbox(names, cfg) -> None:
+    """Rewards that run model-written code need a sandbox this machine can provide
+    (``sandbox.isolation``); probed now (it runs a tiny program) instead of at scoring."""
+    from grpo_core.rewards.code import EXECUTING
+
+    if not any(n in EXECUTING for n in names):
+        return
+    from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+
+    sandbox = getattr(cfg, "sandbox", None)
+    try:
+        detect_isolation(sandbox.isolation if sandbox is not None else None)
+    except SandboxUnavailable as e:
+        raise UserError(f"sandbox.isolation: {' '.join(str(e).split())}") from None
 
 
 def _eval_rewards(cfg) -> tuple[list[str], str]:

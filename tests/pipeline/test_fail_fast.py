@@ -227,7 +227,7 @@ def _files(p, sft="sft", rl="rl", ev="eval"):
     return [*FILES, *(a for k, v in paths.items() for a in ("--set", f"data.{k}={v}"))]
 
 
-# (id, command line given the inputs, substrings the one line must contain)
+# (id, command line given the inputs, substrings the one line must contain[, environment])
 CASES = [
     # config and YAML
     ("yaml_syntax", lambda p: ["run", "--config", p["bad_yaml"]], ["bad.yaml", "line 3, column"]),
@@ -270,6 +270,12 @@ CASES = [
         "eval_reward",
         lambda p: ["run", "--set", "eval.accuracy_reward=acc"],
         ["eval.accuracy_reward"],
+    ),
+    (
+        "sandbox_unavailable",  # code rewards, and no bubblewrap on PATH
+        lambda p: ["run", "--set", "rewards={code_tests: 1}", "--set", "sandbox.isolation=bwrap"],
+        ["sandbox.isolation", "bubblewrap is not installed"],
+        {"PATH": "/nonexistent"},
     ),
     # data files
     ("data_missing", lambda p: ["run", *_files(p, rl="rl.jsonl-nope")], ["data.rl_path"]),
@@ -415,7 +421,7 @@ def _snapshot(*dirs: Path) -> dict[str, tuple[int, int]]:
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_malformed_input_is_one_line_exit_2_and_writes_nothing(inputs, case):
-    _, argv, expected = case
+    _, argv, expected, *extra_env = case
     work = inputs["work"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env.update(
@@ -425,6 +431,7 @@ def test_malformed_input_is_one_line_exit_2_and_writes_nothing(inputs, case):
         no_proxy="127.0.0.1,localhost",
     )
     env.pop("GRPO_DEBUG", None)
+    env.update(*extra_env)
     cmd = [sys.executable, "-m", "flows.cli", *argv(inputs)]
     cmd[4:4] = ["--set", f"output_dir={work / 'runs'}"]  # a case's own --set comes later, wins
     before = _snapshot(work, Path(inputs["dir"]))

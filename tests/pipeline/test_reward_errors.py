@@ -25,6 +25,7 @@ from tests_support import TINY_OVERRIDES
 
 from grpo_core.errors import UserError
 from grpo_core.rewards import ScoreResult, Scores
+from grpo_core.rewards.base import RewardUnavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 FAILING = (
@@ -185,6 +186,9 @@ def test_known_errors_are_one_line_and_bugs_are_not_known():
     except RuntimeError as e:
         assert user_message(e).startswith("the MLflow database is read-only")
     assert user_message(UserError("a\n  b")) == "a; b"
+    assert user_message(RewardUnavailable("code sandbox: no bwrap\nFix: install it")) == (
+        "code sandbox: no bwrap; Fix: install it"
+    )
     assert user_message(KeyError("x")) is None
     assert user_message(RuntimeError("bug")) is None
 
