@@ -115,6 +115,11 @@ def load_pipeline_run(client, run) -> PipelineRun:
         stage = child.data.tags.get("stage")
         if stage:
             by_stage.setdefault(stage, []).append(child)
+    # a resumed parent run holds every attempt at a stage (the interrupted ones KILLED): the
+    # last finished attempt has the whole stage (it replays the iterations it reused)
+    for stage, attempts in by_stage.items():
+        done = [r for r in attempts if r.info.status == "FINISHED"]
+        by_stage[stage] = done[-1:] or attempts[-1:]
     names |= {s for s in by_stage if s in CHECKPOINT_STAGES}
     order = [s for s in CHECKPOINT_STAGES if s in names] + sorted(names - set(CHECKPOINT_STAGES))
     stages = []

@@ -113,21 +113,25 @@ class Tracking:
         if previous is not None and previous.info.status not in ("KILLED", "FAILED"):
             previous = None  # finished: a rerun is a new run
         client = self.client
-        if previous is not None and previous.data.tags.get(PARAMS_HASH) == all_tags.get(
+        resume = previous is not None and previous.data.tags.get(PARAMS_HASH) == all_tags.get(
             PARAMS_HASH
-        ):
-            run_id = previous.info.run_id
+        )
+        if previous is not None and not resume:
+            all_tags[RESUMED_FROM] = previous.info.run_id
+        with signals_deferred():  # a run that is RUNNING is known as open (end_open_runs)
+            if resume:
+                run_id = previous.info.run_id
+                client.update_run(run_id, status="RUNNING")
+            else:
+                run_id = client.create_run(
+                    self.experiment_id, run_name=run_name, tags=all_tags
+                ).info.run_id
+            _opened(run_id, self.uri, run_id, run_name, _current_flow_run())
+        if resume:
             resumes = int(previous.data.tags.get(RESUMES, "0")) + 1
-            client.update_run(run_id, status="RUNNING")
             self.log_metric_batch(run_id, [], {**all_tags, RESUMES: str(resumes)})
-        else:
-            if previous is not None:
-                all_tags[RESUMED_FROM] = previous.info.run_id
-            run = client.create_run(self.experiment_id, run_name=run_name, tags=all_tags)
-            run_id = run.info.run_id
-            if params is not None:
-                self.log_params(run_id, params)
-        _opened(run_id, self.uri, run_id, run_name, _current_flow_run())
+        elif params is not None:
+            self.log_params(run_id, params)
         return Tracking(self.uri, self.experiment_id, run_id, tuple(run_tags.items()))
 
     def end_dead_runs(self, workspace: str | Path) -> list[str]:
@@ -189,8 +193,11 @@ class Tracking:
         parent = parent_run_id or self.parent_run_id
         if parent:
             all_tags["mlflow.parentRunId"] = parent
-        run = self.client.create_run(self.experiment_id, run_name=run_name or stage, tags=all_tags)
-        _opened(run.info.run_id, self.uri, self.parent_run_id or parent, stage)
+        with signals_deferred():  # created and known as open, or neither
+            run = self.client.create_run(
+                self.experiment_id, run_name=run_name or stage, tags=all_tags
+            )
+            _opened(run.info.run_id, self.uri, self.parent_run_id or parent, stage)
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
@@ -233,9 +240,10 @@ class Tracking:
         self.log_text(run_id, json.dumps(obj, indent=2, default=str), name)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
-        self.client.set_terminated(run_id, status)
-        with _open_guard:
-            _open_runs.pop(run_id, None)
+        with signals_deferred():
+            self.client.set_terminated(run_id, status)
+            with _open_guard:
+                _open_runs.pop(run_id, None)
 
 
 # Tags on every run of a pipeline (Tracking.run_tags) and on its parent run.

@@ -192,6 +192,14 @@ def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
     assert parent.data.tags["grpo.pid"] == str(last.pid)
     statuses = {r.info.status for r in runs}
     assert statuses == {"FINISHED", "KILLED"}
+    # `grpo compare` reads each stage from its finished attempt, not the killed ones too
+    from mlflow.tracking import MlflowClient
+
+    from flows.compare import load_pipeline_run
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    stages = {s.stage: s for s in load_pipeline_run(client, parent).stages}
+    assert len(stages["rl_1"].rewards) == 2 and len(stages["rl_2"].rewards) == 1
 
 
 _OPEN_STORE = """
