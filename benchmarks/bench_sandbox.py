@@ -1,10 +1,10 @@
 """Code-reward throughput: programs scored per second for 200 small MBPP-style problems.
 
-    python benchmarks/bench_sandbox.py [--n 200] [--workers 1 2] [--isolation auto none]
+    python benchmarks/bench_sandbox.py [--n 200] [--workers 1 2] [--isolation bwrap namespaces none]
 
 Each problem is a one-function program with three asserts; 80% of the programs are correct,
-15% wrong, 5% raise. Every program runs in its own sandbox (process group, rlimits, and
-bubblewrap namespaces when available). Prints a Markdown table.
+15% wrong, 5% raise. Every program runs in its own sandbox (process group, rlimits, and the
+isolation asked for: bubblewrap, the built-in namespaces, or none). Prints a Markdown table.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import re
 import secrets
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -599,3 +600,59 @@ def test_partial_credit_and_humaneval():
     )
     assert (res.passed, res.total) == (0, 5)
     assert "ZeroDivisionError" in res.error
+
+
+def test_namespaces_as_an_unprivileged_scorer(tmp_path):
+    """A scorer that is not root gets the same isolation through a user namespace mapping
+    only its own uid (run here as uid 65534 with the system's Python)."""
+    py = shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or py is None:
+        pytest.skip("needs root (to become another user), setpriv and /usr/bin/python3")
+    if not available("namespaces"):
+        pytest.skip("no namespaces here")
+    here = Path(sandbox.__file__).parent
+    work = Path(tempfile.mkdtemp(prefix="grpo-nonroot-"))
+    try:
+        code = (here / "_nsinit.py").read_text() + "\n" + (here / "_harness.py").read_text()
+        (work / "sandbox.py").write_text(code)
+        (work / "run.py").write_text(
+            prog(f"""
+            import json, os, subprocess, sys, tempfile
+            code = open({str(work / "sandbox.py")!r}).read()
+            r, w = os.pipe()
+            cfg = {{"root": tempfile.mkdtemp(), "uid": None, "fd": w, "roots": [],
+                    "rlimits": {{"RLIMIT_NPROC": [16, 16]}}, "tmp_bytes": 1 << 24,
+                    "parent": os.getpid(), "deadline": 30}}
+            prog = ("import os\\nfor p in ['/usr/x', '/x', {str(work / "escape")!r}]:\\n"
+                    "    try:\\n        open(p, 'w')\\n        raise SystemExit(p)\\n"
+                    "    except OSError:\\n        pass\\ndef add(a, b):\\n    return a + b\\n")
+            payload = {{"kind": "asserts", "program": prog, "tests": ["assert add(1, 2) == 3"],
+                        "candidates": ["add"], "nonce": "n0"}}
+            p = subprocess.Popen([sys.executable, "-I", "-B", "-c", code, json.dumps(cfg)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                 pass_fds=(w,), env={{"PATH": "/usr/bin:/bin"}})
+            os.close(w)
+            p.communicate(json.dumps(payload).encode(), timeout=60)
+            out = b""
+            while chunk := os.read(r, 65536):
+                out += chunk
+            print(out.decode())
+        """)
+        )
+        os.chmod(work, 0o755)
+        for f in work.iterdir():
+            os.chmod(f, 0o644)
+        proc = subprocess.run(
+            ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", py, work / "run.py"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if "sandbox setup failed: unshare" in proc.stderr:
+            pytest.skip("unprivileged user namespaces are not allowed here")
+        records = [line for line in proc.stdout.splitlines() if line.startswith('["n0"')]
+        assert '["n0","program","",true,""]' in records, proc.stderr
+        assert '["n0","assert","a0.0",true,""]' in records, proc.stderr
+        assert not (work / "escape").exists()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
