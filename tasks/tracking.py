@@ -79,7 +79,9 @@ class Tracking:
     @classmethod
     def open(cls, uri: str, experiment: str) -> Tracking:
         mlflow.set_tracking_uri(uri)
-        with store_lock(uri):  # the first open of a sqlite store creates its schema
+        # the first open of a sqlite store creates its schema: one process at a time, and
+        # not cut short by Ctrl-C (a half-done migration leaves the store unusable)
+        with store_lock(uri), _store_call(uri):
             client = MlflowClient(tracking_uri=uri)
             exp = client.get_experiment_by_name(experiment)
             exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
@@ -118,7 +120,7 @@ class Tracking:
         )
         if previous is not None and not resume:
             all_tags[RESUMED_FROM] = previous.info.run_id
-        with signals_deferred():  # a run that is RUNNING is known as open (end_open_runs)
+        with _store_call(self.uri):  # a RUNNING run is known as open (end_open_runs)
             if resume:
                 run_id = previous.info.run_id
                 client.update_run(run_id, status="RUNNING")
@@ -193,7 +195,7 @@ class Tracking:
         parent = parent_run_id or self.parent_run_id
         if parent:
             all_tags["mlflow.parentRunId"] = parent
-        with signals_deferred():  # created and known as open, or neither
+        with _store_call(self.uri):  # created and known as open, or neither
             run = self.client.create_run(
                 self.experiment_id, run_name=run_name or stage, tags=all_tags
             )
@@ -240,7 +242,7 @@ class Tracking:
         self.log_text(run_id, json.dumps(obj, indent=2, default=str), name)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
-        with signals_deferred():
+        with _store_call(self.uri):
             self.client.set_terminated(run_id, status)
             with _open_guard:
                 _open_runs.pop(run_id, None)
@@ -255,18 +257,30 @@ PARAMS_HASH, RESUMES, RESUMED_FROM = "grpo.params_hash", "grpo.resumes", "resume
 def signals_deferred():
     """Hold Ctrl-C and SIGTERM until the block ends (main thread; elsewhere Python runs no
     signal handler anyway), then deliver them to the handlers that were there (Python's,
-    Prefect's or the CLI's). A signal landing inside a sqlite write would leave the
-    interrupted statement open, and its lock held, until its traceback is freed: the
-    runs could then not be ended KILLED."""
+    Prefect's or the CLI's). The same signal a second time is not held. A signal landing
+    inside a sqlite write would leave the interrupted statement open, and its lock held,
+    until its traceback is freed: the runs could then not be ended KILLED."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: list[int] = []
     saved = {}
+
+    def hold(num: int, frame) -> None:
+        if num not in pending:
+            pending.append(num)
+            return
+        pending.remove(num)  # twice: stop waiting
+        handler = saved[num]
+        if callable(handler):
+            handler(num, frame)
+        elif handler == signal.SIG_DFL:
+            signal.signal(num, signal.SIG_DFL)
+            os.kill(os.getpid(), num)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(sig)
-        if handler is not None:  # None: installed outside Python, left alone
-            saved[sig] = signal.signal(sig, lambda num, frame: pending.append(num))
+        if signal.getsignal(sig) is not None:  # None: installed outside Python, left alone
+            saved[sig] = signal.signal(sig, hold)
     try:
         yield
     finally:
@@ -276,11 +290,19 @@ def signals_deferred():
             os.kill(os.getpid(), sig)
 
 
+def _store_call(uri: str):
+    """:func:`signals_deferred` around a call to a sqlite store; nothing for a tracking
+    server (an interrupted HTTP request holds no lock, and a dead server's retries must stay
+    interruptible)."""
+    return signals_deferred() if uri.startswith("sqlite:") else contextlib.nullcontext()
+
+
 class _Shielded:
-    """An ``MlflowClient`` whose calls run with :func:`signals_deferred`."""
+    """An ``MlflowClient`` whose calls run with :func:`signals_deferred` (sqlite stores)."""
 
     def __init__(self, client: MlflowClient) -> None:
         self._client = client
+        self._uri = client.tracking_uri
 
     def __getattr__(self, name: str):
         attr = getattr(self._client, name)
@@ -289,7 +311,7 @@ class _Shielded:
 
         @functools.wraps(attr)
         def call(*args, **kwargs):
-            with signals_deferred():
+            with _store_call(self._uri):
                 return attr(*args, **kwargs)
 
         return call

@@ -271,3 +271,24 @@ def test_workspace_lock_nests_in_its_thread_and_names_its_owner(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     ).returncode
     assert code == 0
+
+
+def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once():
+    from tasks.tracking import signals_deferred
+
+    steps = []
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # a handler runs between two bytecodes: not here
+        steps.append("finished")
+    assert steps == ["finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    with pytest.raises(KeyboardInterrupt), signals_deferred():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C twice: do not wait
+        time.sleep(0.05)
+        steps.append("not reached")
+    assert steps == ["finished"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
