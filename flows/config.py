@@ -97,7 +97,7 @@ class PipelineConfig(Section):
         if "sandbox" in self.model_fields_set:
             # the code rewards of every stage (RL scoring, rejection sampling, evaluation) in
             # this process and the task processes it starts read it from there
-            from grpo_core.rewards.sandbox import ISOLATION_ENV
+            from grpo_core.rewards.isolation import ISOLATION_ENV
 
             os.environ[ISOLATION_ENV] = self.sandbox.isolation
         return self

@@ -208,7 +208,7 @@ def check_sandbox(names, cfg) -> None:
 
     if not any(n in EXECUTING for n in names):
         return
-    from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+    from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
 
     sandbox = getattr(cfg, "sandbox", None)
     try:

@@ -29,14 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.rewards.base import REWARDS, Scores, completion_text, register
-from grpo_core.rewards.sandbox import (
-    Limits,
-    RunResult,
-    SandboxUnavailable,
-    detect_isolation,
-    requested_isolation,
-    run_program,
-)
+from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation, requested_isolation
+from grpo_core.rewards.sandbox import Limits, RunResult, run_program
 
 EXECUTING = ("code_tests", "code_runs")  # the built-in rewards that run the program
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from grpo_core import rewards
-from grpo_core.rewards import sandbox
+from grpo_core.rewards import isolation, launcher, sandbox
 from grpo_core.rewards.code import run_many
 from grpo_core.rewards.sandbox import (
     Limits,
@@ -528,7 +528,7 @@ def test_auto_without_bwrap_is_namespaces_not_weaker():
 
 def test_none_only_when_named_and_logged(caplog, tmp_path):
     with caplog.at_level(logging.WARNING, logger="grpo_core.rewards.sandbox"):
-        sandbox._detect.cache_clear()
+        isolation._detect.cache_clear()
         iso = detect_isolation("none")
     assert iso.mode == "none" and not iso.contained
     assert "NOT isolated" in caplog.text and "on purpose" in caplog.text
@@ -542,8 +542,8 @@ def test_none_only_when_named_and_logged(caplog, tmp_path):
 def _no_namespaces(monkeypatch):
     """This machine as one where neither bwrap nor namespaces can run."""
     fail = "import os\nos.write(2, b'sandbox setup failed: unshare: Operation not permitted\\n')\n"
-    monkeypatch.setattr(sandbox, "_NSINIT", fail + "os._exit(125)\n")
-    sandbox._detect.cache_clear()
+    monkeypatch.setattr(launcher, "_NSINIT", fail + "os._exit(125)\n")
+    isolation._detect.cache_clear()
 
 
 def test_fails_closed_when_nothing_isolates(monkeypatch):
@@ -563,7 +563,7 @@ def test_fails_closed_when_nothing_isolates(monkeypatch):
             run_program(GOOD, kind="asserts", tests=ADD_TESTS, isolation="bwrap")
         # named on purpose, the weaker mode runs
         assert run_program(GOOD, kind="asserts", tests=ADD_TESTS, isolation="none").fraction == 1
-    sandbox._detect.cache_clear()
+    isolation._detect.cache_clear()
 
 
 def test_isolation_names(monkeypatch):

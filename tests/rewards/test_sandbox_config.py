@@ -10,8 +10,8 @@ import pytest
 from flows.config import PipelineConfig, SandboxConfig
 from grpo_core import rewards
 from grpo_core.io import write_parquet
-from grpo_core.rewards import sandbox
-from grpo_core.rewards.sandbox import ISOLATION_ENV, MODES, SandboxUnavailable
+from grpo_core.rewards import isolation, launcher
+from grpo_core.rewards.isolation import ISOLATION_ENV, MODES, SandboxUnavailable
 
 
 def test_setting_names_the_modes():
@@ -24,9 +24,9 @@ def test_setting_reaches_the_code_rewards(monkeypatch):
     monkeypatch.setenv(ISOLATION_ENV, "auto")  # restored (to unset) after the test
     monkeypatch.delenv(ISOLATION_ENV)
     PipelineConfig()  # not set: the environment (or auto) decides
-    assert sandbox.requested_isolation() == "auto"
+    assert isolation.requested_isolation() == "auto"
     PipelineConfig(sandbox={"isolation": "none"})
-    assert sandbox.requested_isolation() == "none"
+    assert isolation.requested_isolation() == "none"
     assert rewards.sandbox_params({"code_tests": 1.0}) == {
         "isolation": "none",
         "mode": "none (rlimits only, NOT isolated; requested none)",
@@ -77,12 +77,12 @@ def test_score_file_fails_closed_and_records_the_isolation(tmp_path, monkeypatch
     assert "sandbox" in text and json.dumps(rewards.isolation_label(["code_tests"]))[1:-1] in text
 
     fail = "import os\nos.write(2, b'sandbox setup failed: unshare: Operation not permitted\\n')\n"
-    monkeypatch.setattr(sandbox, "_NSINIT", fail + "os._exit(125)\n")
+    monkeypatch.setattr(launcher, "_NSINIT", fail + "os._exit(125)\n")
     monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap either
-    sandbox._detect.cache_clear()
+    isolation._detect.cache_clear()
     try:
         with pytest.raises(SandboxUnavailable, match="install bubblewrap"):
             score_file(str(src), str(tmp_path / "refused.parquet"), {"code_tests": 1.0})
         assert not (tmp_path / "refused.parquet").exists()
     finally:
-        sandbox._detect.cache_clear()
+        isolation._detect.cache_clear()

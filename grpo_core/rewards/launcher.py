@@ -1,0 +1,275 @@
+"""Start one program under a chosen isolation and collect its verdict.
+
+:func:`run_isolated` builds the launcher's command for the mode (``bwrap``'s arguments, the
+``namespaces`` launcher ``_nsinit.py`` with its JSON config, or the bare harness for ``none``;
+plus ``setpriv`` for the uid drop), a scrubbed environment and the rlimits, starts it in its own
+session, writes the payload to its stdin and drains the verdict pipe. At the wall-clock timeout
+or once it ends, the sandbox's pid-1 (reported by the launcher, opened as a pidfd) and the
+launcher's process group are SIGKILLed and the pid-1's exit awaited, so nothing it started
+outlives the verdict. The records are read by :func:`grpo_core.rewards.verdict.read_verdict`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import resource
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from grpo_core.rewards.verdict import RunResult, read_verdict
+
+if TYPE_CHECKING:
+    from grpo_core.rewards.isolation import Isolation
+
+_HARNESS = (Path(__file__).with_name("_harness.py")).read_text()
+_NSINIT = (Path(__file__).with_name("_nsinit.py")).read_text()
+_MAX_VERDICT_BYTES = 4 << 20
+_STDERR_TAIL = 2000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-program resource limits."""
+
+    wall_seconds: float = 10.0
+    cpu_seconds: int = 5
+    memory_bytes: int = 1 << 30  # address space (RLIMIT_AS)
+    file_size_bytes: int = 16 << 20  # largest file it may write (RLIMIT_FSIZE)
+    nproc: int = 16  # processes of the sandbox uid (RLIMIT_NPROC)
+    open_files: int = 64
+    workdir_bytes: int = 64 << 20  # size of the private tmpfs (bwrap, namespaces)
+
+
+def _python_roots() -> list[str]:
+    roots = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    roots.add(str(Path(sys.executable).resolve().parent.parent))
+    return sorted(r for r in roots if r != "/" and not r.startswith("/usr"))
+
+
+def _python() -> str:
+    return os.path.realpath(sys.executable)
+
+
+def _harness_argv(fd: int) -> list[str]:
+    return [_python(), "-I", "-B", "-c", _HARNESS, str(fd)]
+
+
+_DROP = ["setpriv", "--clear-groups", "--no-new-privs"]
+
+
+def _command(iso: Isolation, uid: int, workdir: str, limits: Limits, fd: int, info: int) -> list:
+    drop = [*_DROP, f"--reuid={uid}", f"--regid={uid}"] if iso.drop_uid else []
+    if iso.mode == "bwrap":
+        cmd = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info)]
+        cmd += [
+            "--unshare-ipc",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+        ]
+        if not iso.drop_uid:
+            cmd += ["--unshare-user"]
+        cmd += ["--ro-bind", "/usr", "/usr"]
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if os.path.islink(f"/{link}"):
+                cmd += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+        made: set[str] = set()
+        for root in _python_roots():
+            for parent in reversed(Path(root).parents[:-1]):  # traversable by the sandbox uid
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    cmd += ["--perms", "0755", "--dir", str(parent)]
+            cmd += ["--ro-bind", root, root]
+        cmd += ["--proc", "/proc", "--dev", "/dev"]
+        cmd += ["--size", str(limits.workdir_bytes), "--tmpfs", "/tmp"]
+        cmd += ["--chmod", "1777", "/tmp", "--chdir", "/tmp"]
+        return cmd + ["--"] + drop + _harness_argv(fd)
+    if iso.mode == "namespaces":
+        cfg = {
+            "root": workdir,
+            "uid": uid if iso.drop_uid else None,
+            "fd": fd,
+            "roots": _python_roots(),
+            "rlimits": _rlimits(limits),
+            "tmp_bytes": limits.workdir_bytes,
+            "parent": os.getpid(),
+            "deadline": math.ceil(limits.wall_seconds) + 30,
+        }
+        return [_python(), "-I", "-B", "-c", _NSINIT + "\n" + _HARNESS, json.dumps(cfg)]
+    return drop + _harness_argv(fd)
+
+
+def _env(workdir: str) -> dict[str, str]:
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONHASHSEED": "0",
+    }
+
+
+def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
+    cpu = max(1, int(limits.cpu_seconds))
+    return {
+        "RLIMIT_CPU": (cpu, cpu + 1),
+        "RLIMIT_AS": (limits.memory_bytes, limits.memory_bytes),
+        "RLIMIT_FSIZE": (limits.file_size_bytes, limits.file_size_bytes),
+        "RLIMIT_NOFILE": (limits.open_files, limits.open_files),
+        "RLIMIT_NPROC": (limits.nproc, limits.nproc),
+        "RLIMIT_CORE": (0, 0),
+    }
+
+
+def _preexec(limits: Limits):
+    values = [(getattr(resource, k), v) for k, v in _rlimits(limits).items()]
+
+    def set_limits() -> None:  # runs in the child between fork and exec: keep it minimal
+        for res, value in values:
+            resource.setrlimit(res, value)
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+
+    return set_limits
+
+
+def run_isolated(
+    iso: Isolation, payload: dict, limits: Limits, counted: dict[str, None]
+) -> RunResult:
+    nonce = secrets.token_hex(16)
+    uid = 100_000 + secrets.randbelow(800_000)
+    data = json.dumps({**payload, "nonce": nonce}).encode()
+    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")  # none: cwd; namespaces: mount point
+    vr, vw = os.pipe()  # the verdict
+    ir, iw = os.pipe()  # the sandbox's pid-1, as "<pid>" (namespaces) or bwrap's JSON
+    pidfd = -1
+    try:
+        if iso.drop_uid and iso.mode == "none":
+            os.chown(workdir, uid, uid)
+        os.chmod(workdir, 0o700)
+        with tempfile.TemporaryFile(prefix="grpo-sandbox-err-") as err:
+            t0 = time.monotonic()
+            proc = subprocess.Popen(
+                _command(iso, uid, workdir, limits, vw, iw),
+                stdin=subprocess.PIPE,
+                stdout=iw if iso.mode == "namespaces" else subprocess.DEVNULL,
+                stderr=err,
+                cwd=workdir if iso.mode == "none" else "/",
+                env=_env(workdir if iso.mode == "none" else "/tmp"),
+                pass_fds=(vw, iw) if iso.mode == "bwrap" else (vw,),
+                start_new_session=True,
+                preexec_fn=None if iso.mode == "namespaces" else _preexec(limits),
+            )
+            for fd in (vw, iw):
+                os.close(fd)
+            vw = iw = -1
+            chunks: list[bytes] = []
+            reader = threading.Thread(target=_drain, args=(vr, chunks), daemon=True)
+            reader.start()
+            writer = threading.Thread(target=_feed, args=(proc, data), daemon=True)
+            writer.start()
+            pidfd = _open_sandbox_init(ir, proc, t0 + limits.wall_seconds)
+            timed_out = False
+            try:
+                proc.wait(timeout=max(0.0, limits.wall_seconds - (time.monotonic() - t0)))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            _kill(proc, pidfd)
+            proc.wait()
+            _await_exit(pidfd)  # the sandbox's pid-1 is gone: so is every process it held
+            reader.join(timeout=5)
+            wall = time.monotonic() - t0
+            err.seek(0)
+            tail = err.read()[-_STDERR_TAIL:].decode("utf-8", "replace")
+    finally:
+        for fd in (vr, vw, ir, iw, pidfd):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return read_verdict(
+        b"".join(chunks), nonce, counted, timed_out, proc.returncode, wall, tail, limits, payload
+    )
+
+
+def _open_sandbox_init(info_fd: int, proc: subprocess.Popen, deadline: float) -> int:
+    """A pidfd on the sandbox's pid-1 (-1 in mode none, or if it already ended): the process
+    whose pid the launcher (bwrap or _nsinit.py) reported, checked to be the launcher's child
+    after the pidfd was opened, so a recycled pid is never signalled."""
+    raw = b""
+    with contextlib.suppress(OSError):
+        while len(raw) < 4096:
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([info_fd], [], [], wait)[0]:
+                break
+            if not (chunk := os.read(info_fd, 4096)):
+                break
+            raw += chunk
+    try:
+        text = raw.decode()
+        pid = int(json.loads(text)["child-pid"] if text.lstrip().startswith("{") else text)
+    except (ValueError, KeyError, TypeError):
+        return -1
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return -1
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ppid = int(next(ln for ln in status.splitlines() if ln.startswith("PPid:")).split()[1])
+    except (OSError, StopIteration, ValueError, IndexError):
+        ppid = None
+    if ppid != proc.pid:  # already gone (and its pid possibly someone else's)
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _kill(proc: subprocess.Popen, pidfd: int) -> None:
+    """SIGKILL the sandbox's pid-1 (the kernel then kills its whole pid namespace) and the
+    launcher's process group."""
+    if pidfd >= 0:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _await_exit(pidfd: int, timeout: float = 10.0) -> None:
+    if pidfd >= 0:  # readable once the process has exited, after its namespace was emptied
+        select.select([pidfd], [], [], timeout)
+
+
+def _feed(proc: subprocess.Popen, data: bytes) -> None:
+    try:
+        proc.stdin.write(data)
+        proc.stdin.close()
+    except OSError:
+        pass
+
+
+def _drain(fd: int, chunks: list[bytes]) -> None:
+    size = 0
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        if size < _MAX_VERDICT_BYTES:
+            chunks.append(chunk)
+            size += len(chunk)

@@ -1,0 +1,95 @@
+"""What one sandboxed run amounts to: :class:`RunResult`, read from the verdict pipe.
+
+The harness (``_harness.py``) writes one JSON record per event, ``[nonce, kind, id, ok,
+message]``, to a pipe the scorer holds open; :func:`read_verdict` keeps only the records that
+carry this run's nonce, counts only the asserts that exercise the candidate (``credit.py``;
+those never reached count as failed), and turns the launcher's outcome (timeout, signal,
+early exit, failed namespace setup) into a status and a one-line error. Exit codes and output
+are never trusted for the score.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass, field
+
+_SETUP_FAILED = 125  # _nsinit.py's exit code for a failed namespace setup step
+
+
+@dataclass
+class RunResult:
+    """What happened to one program.
+
+    status: "ok" (harness finished), "timeout" (wall clock), "killed" (by a signal: CPU limit,
+        memory...), "exited" (ended before the harness finished: early exit, crash).
+    passed / total: executions of the asserts that exercise the candidate, passed / counted
+        (unrun ones count when the run did not finish). program_ok: the program body ran
+        without raising.
+    error: one line for the error column (None when every assert passed).
+    """
+
+    status: str
+    passed: int = 0
+    total: int = 0
+    program_ok: bool = False
+    error: str | None = None
+    returncode: int | None = None
+    wall_s: float = 0.0
+    stderr_tail: str = ""
+    records: list[tuple[str, str, bool, str]] = field(default_factory=list, repr=False)
+
+    @property
+    def fraction(self) -> float:
+        return self.passed / self.total if self.total else 0.0
+
+
+def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload) -> RunResult:
+    records = []
+    for line in raw.split(b"\n"):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, list) and len(rec) == 5 and rec[0] == nonce:
+            records.append((str(rec[1]), str(rec[2]), rec[3] is True, str(rec[4])))
+    kinds = {r[0] for r in records}
+    finished = "done" in kinds
+    program_ok = any(k == "program" and ok for k, _, ok, _ in records)
+    asserts = [r for r in records if r[0] == "assert" and r[1] in counted]
+    passed = sum(r[2] for r in asserts)
+    total = len(asserts)
+    tests_error = next((r[3] for r in records if r[0] == "tests" and not r[2]), None)
+    if not finished or tests_error:  # asserts never reached count as failed
+        total += sum(1 for i in counted if i not in {r[1] for r in asserts})
+    setup_failed = rc == _SETUP_FAILED and "sandbox setup failed" in tail
+    if timed_out:
+        status, error = "timeout", f"timeout: killed after {limits.wall_seconds:g}s wall clock"
+    elif finished:
+        status, error = "ok", None
+    elif setup_failed:
+        status, error = "error", tail.strip().splitlines()[-1][:300]
+    elif rc is not None and (rc < 0 or rc > 128):  # launchers relay a signal as 128+N
+        sig = -rc if rc < 0 else rc - 128
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        hint = {"SIGXCPU": f" (CPU limit {limits.cpu_seconds}s)", "SIGXFSZ": " (file size limit)"}
+        status, error = "killed", f"killed by {name}{hint.get(name, '')}"
+    else:
+        status, error = "exited", f"exited with code {rc} before the tests finished"
+    if error is None:
+        prog_err = next((r[3] for r in records if r[0] == "program" and not r[2]), None)
+        first_fail = next((r[3] for r in asserts if not r[2]), None)
+        parts = [f"program raised {prog_err}"] if prog_err else []
+        if tests_error:
+            parts.append(f"tests raised {tests_error}")
+        if passed < total:
+            parts.append(
+                f"{total - passed}/{total} asserts failed"
+                + (f": {first_fail}" if first_fail else "")
+            )
+        if total == 0 and payload.get("kind") != "run":
+            parts.append("no assert of the tests exercises the candidate: nothing to score")
+        error = "; ".join(parts) or None
+    if error and "MemoryError" in tail and status != "ok":
+        error += " (MemoryError)"
+    return RunResult(status, passed, total, program_ok, error, rc, wall, tail, records)
