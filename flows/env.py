@@ -19,7 +19,7 @@ DEFAULTS = {
     "MLFLOW_DISABLE_TELEMETRY": "true",
     # A tracking server that goes away mid-run fails a call after 2 retries (1 s backoff,
     # 30 s timeout per try), not MLflow's 7 retries with backoff 2 and a 120 s timeout
-    # (minutes); one that is down before the run is found up front (flows/preflight.py).
+    # (minutes); one that is down before the run is found up front (flows/preflight/).
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",

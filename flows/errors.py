@@ -3,7 +3,7 @@
 Known errors are ``grpo_core.errors.UserError`` (and any ``ValueError``: bad settings),
 a reward that cannot run here (``RewardUnavailable``: no code sandbox), a missing file, a read-only folder or database, and a full disk. :func:`user_message` turns
 one into a single line naming the file or setting and the fix; anything else is a bug and
-keeps its traceback. Most are found by the pre-flight check (flows/preflight.py) before
+keeps its traceback. Most are found by the pre-flight check (flows/preflight/) before
 Prefect starts; for the rest, raised inside a flow or task, :func:`quiet_prefect_tracebacks`
 stops Prefect's engine from logging a traceback for them (its one-line "Task run failed
 with ..." stays, in the console and the UI), and the CLI prints the message last.

@@ -1,5 +1,5 @@
 """Malformed inputs fed to the real ``grpo`` command (a fresh process each): every one is
-found by the pre-flight check (flows/preflight.py) before Prefect starts, and reported as
+found by the pre-flight check (flows/preflight/) before Prefect starts, and reported as
 exactly one line on stderr that names the culprit, with exit code 2, no traceback, and
 nothing written (no run folder, no MLflow store, no Prefect home). A dead tracking server
 is found within 15 s."""

@@ -1,0 +1,152 @@
+"""Pre-flight: what can be checked before Prefect starts or any stage runs.
+
+``grpo run`` and the stage commands (``grpo rollout|score|update|eval``) call
+:func:`check_run` / :func:`check_stage` right after the config loads, so that a typo in a
+reward name, a bad data row or a truncated weights file is reported in a second, as one
+line naming the file, row, field or setting (a ``UserError``), instead of after SFT and a
+rollout as a traceback. Nothing is written and no model is loaded: weights files are checked
+from their safetensors header, token ids from the Parquet columns, a tokenizer from its
+``tokenizer.json``.
+
+What is checked:
+
+- rewards: every name is a registered reward or an importable ``module:function`` /
+  ``path/file.py:function`` with TRL's signature ``fn(prompts, completions, **kwargs)``;
+  weights are finite; ``rejection_sampling.require`` names rewards that are computed; the
+  eval section's reward names exist; the data has the columns the built-in rewards read;
+  rewards that run model-written code (``code_tests``, ``code_runs``) have a working sandbox
+- data files (``data.source: files``, ``--data``): they exist and parse, every row has a
+  ``prompt`` (and SFT rows a ``completion``) of the right type, no prompt is longer than
+  ``data.max_prompt_chars``, each column has one type (grpo_core/data.py)
+- checkpoints (``model.path``, ``--policy``, ``--checkpoint``, the demo's base model when it
+  exists): config.json parses, every ``*.safetensors`` header parses and the file is as long
+  as its tensors need, the tokenizer files are there
+- ``grpo update``: the scored file's token ids are inside the policy's vocabulary, and the
+  tokenizer fingerprint recorded at rollout time matches the policy's
+- the tracking store: an ``http(s)`` server answers ``GET /health`` within 5 s; a sqlite
+  file is an SQLite database and it and its folder are writable
+- output folders (``output_dir``, the run folder, ``--out``) are writable and have space
+
+Layout: this module holds the entry points; the checks live in ``rewards``, ``data``
+(data files, Parquet schemas, token ids), ``checkpoints`` and ``outputs`` (tracking store,
+output folders), and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flows.preflight.checkpoints import check_checkpoint, check_safetensors
+from flows.preflight.data import check_data, check_parquet, check_token_ids
+from flows.preflight.outputs import (
+    check_outputs,
+    check_sqlite,
+    check_tracking,
+    check_writable_dir,
+    probe_server,
+)
+from flows.preflight.rewards import (
+    check_reward_columns,
+    check_reward_names,
+    check_rewards,
+    check_sandbox,
+    eval_rewards,
+    load_reward,
+)
+from grpo_core.errors import UserError
+
+__all__ = [
+    "check_checkpoint",
+    "check_data",
+    "check_outputs",
+    "check_parquet",
+    "check_reward_columns",
+    "check_reward_names",
+    "check_rewards",
+    "check_run",
+    "check_safetensors",
+    "check_sandbox",
+    "check_sqlite",
+    "check_stage",
+    "check_token_ids",
+    "check_tracking",
+    "check_writable_dir",
+    "eval_rewards",
+    "load_reward",
+    "probe_server",
+]
+
+
+def check_run(cfg) -> None:
+    """Everything ``grpo run`` needs, checked before Prefect starts."""
+    check_outputs(cfg)
+    check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
+    check_reward_names(cfg)
+    check_sandbox([*cfg.rewards, *eval_rewards(cfg)[0]], cfg)
+    missing = [k for k in cfg.rejection_sampling.require if k not in cfg.rewards]
+    if missing:
+        raise UserError(
+            f"rejection_sampling.require: {', '.join(map(repr, missing))} not among the rewards "
+            f"({', '.join(cfg.rewards)}), so no completion could pass; add it to rewards or "
+            "remove it from rejection_sampling.require"
+        )
+    if cfg.data.source == "files":
+        cap = cfg.data.max_prompt_chars
+        check_data(cfg.data.sft_path, "data.sft_path", ("prompt", "completion"), cap)
+        rl = check_data(cfg.data.rl_path, "data.rl_path", ("prompt",), cap)
+        check_reward_columns(rl, cfg.data.rl_path, "data.rl_path", cfg.rewards, "rewards")
+        ev = check_data(cfg.data.eval_path, "data.eval_path", ("prompt",), cap)
+        check_reward_columns(ev, cfg.data.eval_path, "data.eval_path", *eval_rewards(cfg))
+    if cfg.model.source == "path":
+        check_checkpoint(cfg.model.path, "model.path")
+    else:
+        base = Path(cfg.output_dir) / cfg.run_name / "checkpoints" / "base"
+        if (base / "config.json").exists():
+            check_checkpoint(base, "the demo's base model", fix=f"delete {base} to rebuild it")
+    check_tracking(cfg.tracking.uri)
+
+
+def check_stage(command: str, args, cfg) -> None:
+    """Everything ``grpo <command>`` needs (its ``--policy``, ``--data``, ``--rollouts``,
+    ``--scored``, ``--checkpoint`` and ``--out``), checked before Prefect starts."""
+    from grpo_core.rollouts import ROLLOUT_COLUMNS
+
+    check_outputs(cfg)
+    cap = cfg.data.max_prompt_chars
+    files = cfg.data.source == "files"
+    out = getattr(args, "out", None)
+    if command == "rollout":
+        check_checkpoint(args.policy, "--policy")
+        if args.iteration < 0:
+            raise UserError(f"--iteration {args.iteration}: must be 0 or more")
+        if args.data or files:
+            field = "--data" if args.data else "data.rl_path"
+            check_data(args.data or cfg.data.rl_path, field, ("prompt",), cap)
+    elif command == "score":
+        schema = check_parquet(args.rollouts, "--rollouts", ROLLOUT_COLUMNS)
+        check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
+        check_sandbox(cfg.rewards, cfg)
+        columns = [{c: True for c in schema.names}]
+        check_reward_columns(columns, args.rollouts, "--rollouts", cfg.rewards, "rewards")
+        if out and Path(out).resolve() == Path(args.rollouts).resolve():
+            raise UserError(f"--out {out}: scoring never rewrites the rollout file; choose another")
+        if not out:
+            check_writable_dir(Path(args.rollouts).resolve().parent, "--rollouts' folder")
+    elif command == "update":
+        required = {**ROLLOUT_COLUMNS, "reward": "", "advantage": ""}
+        schema = check_parquet(args.scored, "--scored", required)
+        config = check_checkpoint(args.policy, "--policy")
+        check_token_ids(args.scored, schema, args.policy, config)
+    elif command == "eval":
+        check_checkpoint(args.checkpoint, "--checkpoint")
+        check_reward_names(cfg)
+        check_sandbox(eval_rewards(cfg)[0], cfg)
+        if args.data or files:
+            field = "--data" if args.data else "data.eval_path"
+            path = args.data or cfg.data.eval_path
+            rows = check_data(path, field, ("prompt",), cap)
+            check_reward_columns(rows, path, field, *eval_rewards(cfg))
+        if not out:
+            check_writable_dir(Path(args.checkpoint).resolve().parent, "--checkpoint's folder")
+    if out:
+        check_writable_dir(Path(out).resolve().parent, f"--out {out}:")

@@ -1,0 +1,99 @@
+"""Pre-flight checks of the rewards: every name loads as a reward function with TRL's
+signature, weights are finite, the data has the columns the built-in rewards read, and
+rewards that run model-written code have a working sandbox."""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+from flows.preflight._util import first_line
+from grpo_core.errors import UserError
+
+# columns that built-in rewards read from the data (they fail on every row without them)
+REWARD_COLUMNS = {"accuracy": ("answer",), "math_verify": ("answer",)}
+
+
+def load_reward(name: str, field: str):
+    """The reward function ``name`` (registered, or a ``module:function`` spec), imported
+    now; any failure is a ``UserError`` naming ``field``."""
+    from grpo_core import rewards
+
+    try:
+        fn = rewards.get(name)
+    except ValueError as e:  # unknown name (lists the valid ones), bad spec, missing file
+        raise UserError(f"{field}: {first_line(e)}") from None
+    except ModuleNotFoundError as e:
+        raise UserError(
+            f"{field}: cannot import module {e.name!r} for reward {name!r}; check the spelling, "
+            "install it, or add its folder to PYTHONPATH"
+        ) from None
+    except SyntaxError as e:
+        raise UserError(
+            f"{field}: {e.filename}, line {e.lineno}: syntax error in reward {name!r} ({e.msg})"
+        ) from None
+    except Exception as e:  # the module raised while importing
+        raise UserError(
+            f"{field}: importing reward {name!r} failed: {type(e).__name__}: {first_line(e)}"
+        ) from None
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # builtins and some C callables: nothing to check
+        return fn
+    positional_only = any(p.kind == p.POSITIONAL_ONLY and p.default is p.empty for p in params)
+    if positional_only or not any(p.kind == p.VAR_KEYWORD for p in params):
+        raise UserError(
+            f"{field}: reward {name!r} must take fn(prompts, completions, **kwargs) (TRL's "
+            "signature: the data's other columns come as keyword arguments)"
+        )
+    return fn
+
+
+def check_rewards(weights: dict[str, float], *, overlong: bool = False) -> None:
+    for name, weight in weights.items():
+        if not math.isfinite(weight):
+            raise UserError(f"rewards: the weight of {name!r} is {weight}; give a finite number")
+        load_reward(name, "rewards")
+    if overlong and "overlong_penalty" in weights:
+        raise UserError(
+            "rewards: 'overlong_penalty' is the name of rl.overlong_buffer_length's penalty; "
+            "rename your reward function"
+        )
+
+
+def check_sandbox(names, cfg) -> None:
+    """Rewards that run model-written code need a sandbox this machine can provide
+    (``sandbox.isolation``); probed now (it runs a tiny program) instead of at scoring."""
+    from grpo_core.rewards.code import EXECUTING
+
+    if not any(n in EXECUTING for n in names):
+        return
+    from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
+
+    sandbox = getattr(cfg, "sandbox", None)
+    try:
+        detect_isolation(sandbox.isolation if sandbox is not None else None)
+    except SandboxUnavailable as e:
+        raise UserError(f"sandbox.isolation: {' '.join(str(e).split())}") from None
+
+
+def eval_rewards(cfg) -> tuple[list[str], str]:
+    return [cfg.eval.accuracy_reward, cfg.eval.format_reward], "eval.accuracy_reward"
+
+
+def check_reward_names(cfg) -> None:
+    load_reward(cfg.eval.accuracy_reward, "eval.accuracy_reward")
+    load_reward(cfg.eval.format_reward, "eval.format_reward")
+
+
+def check_reward_columns(rows: list[dict], path, field: str, names, setting: str) -> None:
+    """Every row has the columns the built-in rewards in ``names`` read."""
+    for name in names:
+        for col in REWARD_COLUMNS.get(name, ()):
+            row = next((i for i, r in enumerate(rows) if col not in r), None)
+            if row is not None:
+                where = f"{path}, row {row}" if len(rows) > 1 else str(path)
+                raise UserError(
+                    f"{field}: {where}: no {col!r} column, which reward {name!r} reads; add it "
+                    f"to the data or change {setting}"
+                )
