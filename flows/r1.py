@@ -26,8 +26,9 @@ from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
 from tasks.results import EvalOutcome
+from tasks.run_states import end_open_runs
 from tasks.sft import sft_stage
-from tasks.tracking import Tracking, config_hash, end_open_runs
+from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
 
 

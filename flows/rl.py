@@ -26,9 +26,10 @@ from grpo_core.io import atomic_path
 from tasks import warm
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
+from tasks.mlflow_keys import metric_batch
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.tracking import Tracking, metric_batch
+from tasks.tracking import Tracking
 from tasks.update import update
 from tasks.workspace import Workspace
 

@@ -1,6 +1,6 @@
 """`grpo run` killed, interrupted and started twice, as real processes on a real sqlite MLflow
 store and Prefect's temporary server (flows/local_server.py, flows/interrupts.py,
-flows/lock.py, tasks/tracking.py).
+flows/lock.py, tasks/tracking.py, tasks/run_states.py, tasks/mlflow_store.py).
 
 One workspace goes through a user's bad day: SIGKILL in rl_1 (the temporary server dies
 with it), a rerun stopped by SIGTERM in rl_1, a rerun stopped by Ctrl-C in rl_2, and a last
@@ -274,7 +274,7 @@ def test_workspace_lock_nests_in_its_thread_and_names_its_owner(tmp_path):
 
 
 def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once():
-    from tasks.tracking import signals_deferred
+    from tasks.mlflow_store import signals_deferred
 
     steps = []
     with pytest.raises(KeyboardInterrupt), signals_deferred():

@@ -145,7 +145,8 @@ def test_rejection_sampling_that_keeps_nothing_says_what_to_change(tiny_checkpoi
 def test_path_spec_reward_logs_to_a_real_sqlite_store(tmp_path):
     from mlflow.exceptions import MlflowException
 
-    from tasks.tracking import Tracking, safe_key
+    from tasks.mlflow_keys import safe_key
+    from tasks.tracking import Tracking
 
     spec = f"{tmp_path}/my rewards+v2.py:fn"  # absolute, with a space and a '+'
     result = ScoreResult({spec: [1.0, 0.0]}, {spec: [None, None]}, [1.0, 0.0], {spec: 1.0})
