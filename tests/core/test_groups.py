@@ -97,6 +97,9 @@ class _Tok:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(map(str, ids))
 
+    def get_vocab(self, with_added_tokens=False):  # for the file's tokenizer fingerprint
+        return {str(i): i for i in range(10)}
+
 
 def test_same_prompt_drawn_twice_makes_two_groups():
     rows = [{"prompt": "1+1=", "answer": "2"}] * 2  # wrap-around or a duplicated data row
