@@ -13,44 +13,11 @@ description.
 
 from __future__ import annotations
 
-import fnmatch
 from pathlib import Path
 
-from grpo_core.checkpoint import policy_id
+from grpo_core.checkpoint import model_files, policy_id
 
 ARTIFACT_PATH = "final_checkpoint"
-# What ``from_pretrained`` (model, tokenizer, generation config) reads from a directory.
-# Everything else a checkpoint holds (trainer_state.pt: optimizer, scheduler and RNG state
-# for resuming a stage; policy_id.txt; checkpoint_info.json) is not part of the model.
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "*.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-MODEL_DIRS = ("additional_chat_templates",)  # extra named chat templates (*.jinja)
-
-
-def model_files(checkpoint_dir: Path) -> list[Path]:
-    """The files and folders of ``checkpoint_dir`` that ``from_pretrained`` needs."""
-    out = []
-    for item in sorted(checkpoint_dir.iterdir()):
-        if item.is_dir():
-            if item.name in MODEL_DIRS:
-                out.append(item)
-        elif any(fnmatch.fnmatchcase(item.name, pattern) for pattern in MODEL_FILES):
-            out.append(item)
-    return out
 
 
 def _flatten(stage_metrics: dict) -> dict[str, float]:
@@ -90,11 +57,11 @@ def _describe(run_name: str, flat: dict[str, float]) -> str:
 
 
 def _log_checkpoint(client, run_id: str, checkpoint_dir: Path) -> None:
-    for item in model_files(checkpoint_dir):
-        if item.is_dir():
-            client.log_artifacts(run_id, str(item), f"{ARTIFACT_PATH}/{item.name}")
-        else:
-            client.log_artifact(run_id, str(item), ARTIFACT_PATH)
+    for item in model_files(checkpoint_dir):  # grpo_core.checkpoint's allow-list
+        folder = item.parent.relative_to(checkpoint_dir).as_posix()
+        client.log_artifact(
+            run_id, str(item), ARTIFACT_PATH if folder == "." else f"{ARTIFACT_PATH}/{folder}"
+        )
 
 
 def register_final_checkpoint(
@@ -105,7 +72,7 @@ def register_final_checkpoint(
     model_name: str | None = None,
     final_stage: str | None = None,
 ):
-    """Log the model files of ``checkpoint_dir`` (:data:`MODEL_FILES`) as artifacts of the
+    """Log the model files of ``checkpoint_dir`` (``grpo_core.checkpoint.MODEL_FILES``) as artifacts of the
     parent run and register a model version.
 
     Args:
