@@ -16,6 +16,7 @@ written atomically), so rerunning the same command resumes from them.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -124,6 +125,10 @@ def finish(exc: BaseException, *, stop_server=None, step: str | None = None) -> 
     if signum is None:
         return None
     name = signal.Signals(signum).name
+    # the line below is the last word: Prefect's background services log while the
+    # interpreter exits, and not all under "prefect" (its events worker logs to the logger
+    # "EventsWorker": "Still processing items"), so all logging stops here
+    logging.disable(logging.CRITICAL)
     print(
         f"grpo: interrupted ({name}) during {step or where(exc)}; rerun the same command to resume",
         file=sys.stderr,
