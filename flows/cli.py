@@ -5,6 +5,7 @@ grpo rollout --policy CKPT | score --rollouts R.parquet | update --scored S --po
      | eval --checkpoint CKPT                          (one stage from files; flows/stages.py)
 grpo compare [RUN ...]                                 (stages x metrics across runs; PNG plot)
 grpo serve                                             (deployments for the Prefect UI)
+grpo import-gguf FILE.gguf OUT_DIR | --pypi SPEC OUT_DIR  (a GGUF as a save_pretrained dir)
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         # Open the MLflow store while the Prefect server is still starting: the first open of
         # a sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.
         Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
+        print(f"MLflow: runs go to {cfg.tracking.uri} ({cfg.tracking.uri_source})", flush=True)
         with local_server.attach(server):
             summary = r1_pipeline(cfg)
+        summary["tracking_uri_source"] = cfg.tracking.uri_source
     except BaseException as e:
         code = interrupts.finish(e, stop_server=server and (lambda: server.stop(drain=False)))
         if code is None:
@@ -73,19 +76,32 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
     preflight.check_stage(args.command, args, cfg)
     apply_defaults(cfg.output_dir)
-    server = local_server.start()
-    from flows import stages
+    from flows import interrupts
 
-    common = {"config": args.config, "overrides": args.set}
-    with local_server.attach(server):
-        if args.command == "rollout":
-            out = stages.rollout_flow(args.policy, args.data, args.iteration, args.out, **common)
-        elif args.command == "score":
-            out = stages.score_flow(args.rollouts, args.out, **common)
-        elif args.command == "update":
-            out = stages.update_flow(args.scored, args.policy, args.out, **common)
-        else:
-            out = stages.eval_flow(args.checkpoint, args.data, args.out, **common)
+    interrupts.install()  # Ctrl-C / SIGTERM: one line, exit 130 / 143 (outputs are atomic)
+    server = local_server.start()
+    try:
+        from flows import stages
+
+        common = {"config": args.config, "overrides": args.set}
+        with local_server.attach(server):
+            if args.command == "rollout":
+                out = stages.rollout_flow(
+                    args.policy, args.data, args.iteration, args.out, **common
+                )
+            elif args.command == "score":
+                out = stages.score_flow(args.rollouts, args.out, **common)
+            elif args.command == "update":
+                out = stages.update_flow(args.scored, args.policy, args.out, **common)
+            else:
+                out = stages.eval_flow(args.checkpoint, args.data, args.out, **common)
+    except BaseException as e:
+        code = interrupts.finish(
+            e, stop_server=server and (lambda: server.stop(drain=False)), step=args.command
+        )
+        if code is None:
+            raise
+        return code
     print(json.dumps(out, indent=2, default=str))
     return 0
 
@@ -144,10 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(func=cmd_stage)
 
     from flows.compare import add_compare_parser
+    from flows.import_gguf import add_import_gguf_parser
     from flows.serve_cli import add_serve_parser
 
     add_serve_parser(sub)
     add_compare_parser(sub)
+    add_import_gguf_parser(sub)
     return parser
 
 

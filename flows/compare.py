@@ -10,7 +10,6 @@ name (the latest parent run with that name); no RUN: the latest parent run of th
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -289,7 +288,8 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tracking-uri",
-        help="MLflow tracking URI (default: MLFLOW_TRACKING_URI, then the config's)",
+        help="MLflow tracking URI (default: as `grpo run` resolves it: --set tracking.uri, "
+        "the config file, MLFLOW_TRACKING_URI, sqlite:///mlflow.db)",
     )
     p.add_argument("--experiment", help="MLflow experiment (default: the config's)")
     p.add_argument(
@@ -304,15 +304,7 @@ def compare_main(args: argparse.Namespace) -> int:
     from flows.config import load_config
 
     cfg = load_config(args.config, args.set)
-    uri = (
-        args.tracking_uri
-        or (
-            None
-            if any(s.startswith("tracking.uri=") for s in args.set)
-            else os.environ.get("MLFLOW_TRACKING_URI")
-        )
-        or cfg.tracking.uri
-    )
+    uri = args.tracking_uri or cfg.tracking.uri  # --set, config file, env, default
     experiment = args.experiment or (None if args.runs else cfg.tracking.experiment)
     _, png = compare(uri, args.runs, experiment, args.output, log_artifact=not args.no_log)
     print(f"plot: {png}" + ("" if args.no_log else " (logged to each parent run under compare/)"))

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
+from cluster.config import ClusterConfig
 from grpo_core.config import (
     DataConfig,
     EvalConfig,
@@ -45,9 +46,46 @@ DEFAULT_CONFIG = "demo.yaml"
 DEFAULT_CRON = "0 2 * * *"  # the deployments' example schedule: nightly at 02:00, created paused
 
 
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+TRACKING_ENV = "MLFLOW_TRACKING_URI"
+
+
 class TrackingConfig(Section):
-    uri: str = "sqlite:///mlflow.db"
+    """Where MLflow runs go. ``uri`` is resolved once, by :func:`load_config`, in this order:
+    ``--set tracking.uri``, the user's config file, ``MLFLOW_TRACKING_URI``, the default
+    (``sqlite:///mlflow.db``; the packaged presets' value counts as the default).
+    ``uri_source`` says which one won."""
+
+    uri: str = DEFAULT_TRACKING_URI
     experiment: str = "grpo-pipeline"
+    _source: str = PrivateAttr("default")
+
+    @property
+    def uri_source(self) -> str:
+        return self._source
+
+
+def resolve_tracking_uri(
+    raw: dict, overrides: list[str], *, packaged: bool, env: dict | None = None
+) -> tuple[str | None, str]:
+    """``(uri, source)``: the tracking URI to use and where it came from (``--set``, the
+    config file, ``MLFLOW_TRACKING_URI``, the default). ``raw`` is the config file's mapping
+    before overrides; a packaged preset's ``tracking.uri`` counts as the default. ``uri`` is
+    None when the default applies and the preset names none."""
+    env = os.environ if env is None else env
+    for item in reversed(overrides):
+        key, _, value = item.partition("=")
+        if key.strip() == "tracking.uri":
+            return str(_parse_value(value)), "--set tracking.uri"
+        parsed = _parse_value(value) if key.strip() == "tracking" else None
+        if isinstance(parsed, dict) and "uri" in parsed:
+            return str(parsed["uri"]), "--set tracking"
+    section = raw.get("tracking") if isinstance(raw.get("tracking"), dict) else {}
+    if "uri" in section and not packaged:
+        return str(section["uri"]), "config file"
+    if env.get(TRACKING_ENV):
+        return env[TRACKING_ENV], TRACKING_ENV
+    return section.get("uri"), "default"
 
 
 class SandboxConfig(Section):
@@ -82,6 +120,7 @@ class PipelineConfig(Section):
     re_sft: dict[str, Any] = Field(default_factory=dict)
     rl_2: dict[str, Any] = Field(default_factory=dict)
     eval: EvalConfig = EvalConfig()
+    cluster: ClusterConfig = ClusterConfig()
 
     @model_validator(mode="after")
     def _overrides_valid(self) -> PipelineConfig:
@@ -201,6 +240,7 @@ def load_config(
 ) -> PipelineConfig:
     """Read a YAML preset (the packaged demo by default), apply overrides, validate."""
     path = Path(path) if path else default_config_path()
+    packaged = path.resolve().parent == default_config_path().resolve().parent
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
@@ -211,8 +251,13 @@ def load_config(
         raise UserError(f"{path}: cannot read the config file ({e})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
-    raw = apply_overrides(raw, overrides or [])
+    file_raw, raw = raw, apply_overrides(raw, overrides or [])  # overrides checked here
+    uri, source = resolve_tracking_uri(file_raw, overrides or [], packaged=packaged)
+    if uri is not None and isinstance(raw.get("tracking", {}), dict):
+        raw["tracking"] = {**raw.get("tracking", {}), "uri": uri}
     try:
-        return PipelineConfig(**raw)
+        cfg = PipelineConfig(**raw)
     except ValidationError as e:
         raise UserError(f"{path}: {validation_message(e, PipelineConfig)}") from None
+    cfg.tracking._source = source
+    return cfg

@@ -9,7 +9,9 @@ Two ways to register them, both against the server in ``PREFECT_API_URL``:
 
 Deployments point at :func:`r1_from_config` (config path + ``--set``-style overrides,
 both editable in the UI's "Run" form) rather than at ``r1_pipeline(cfg)``, whose pydantic
-argument would show up in the UI as one big JSON form. Each deployment carries an example
+argument would show up in the UI as one big JSON form. Both are the Prefect flow
+``r1-pipeline``: one flow page, one history of runs, whether started by `grpo run` or a
+deployment. Each deployment carries an example
 cron schedule that is created inactive: switch it on in the UI when you want it.
 """
 
@@ -24,6 +26,7 @@ from prefect import flow
 from flows.config import DEFAULT_CRON, load_config
 from flows.env import apply_defaults
 
+R1_FLOW = "r1-pipeline"  # the pipeline's Prefect flow, whichever way it is started
 R1_DEPLOYMENT = "r1-pipeline"
 TAGS = ["grpo"]
 
@@ -50,7 +53,35 @@ STAGE_FLOWS = (
 )
 
 
-@flow(name="r1-from-config", log_prints=True)
+def _config_run_name() -> str:
+    """The flow run's name: the ``run_name`` its config and overrides give (as `grpo run`)."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    try:
+        return load_config(
+            params.get("config") or None, list(params.get("overrides") or [])
+        ).run_name
+    except Exception:  # a bad config fails in the flow itself, with its message
+        return "r1-pipeline"
+
+
+def _end_tracking(flow, flow_run, state) -> None:
+    from flows.r1 import _end_tracking as end  # MLflow is imported only in the flow run
+
+    end(flow, flow_run, state)
+
+
+# The same Prefect flow as `grpo run` (flows/r1.py: its name and hooks), so runs from the
+# CLI and from the deployments share one history.
+@flow(
+    name=R1_FLOW,
+    flow_run_name=_config_run_name,
+    log_prints=True,
+    on_failure=[_end_tracking],
+    on_crashed=[_end_tracking],
+    on_cancellation=[_end_tracking],
+)
 def r1_from_config(config: str | None = None, overrides: list[str] | None = None) -> dict:
     """Run the whole R1 pipeline from a YAML preset.
 
@@ -61,10 +92,10 @@ def r1_from_config(config: str | None = None, overrides: list[str] | None = None
             e.g. `["rl.iterations=10", "tracking.uri=http://127.0.0.1:5000"]`.
     """
     apply_defaults()  # a deployment's flow run starts in a bare worker process
-    from flows.r1 import r1_pipeline  # imports MLflow, which reads the defaults at import
+    from flows.r1 import locked_pipeline  # imports MLflow, which reads the defaults at import
 
     cfg = load_config(config or None, list(overrides or []))
-    return r1_pipeline(cfg)
+    return locked_pipeline(cfg)
 
 
 def _load_stage_flows() -> list[tuple[StageFlow, object]]:

@@ -17,11 +17,13 @@ import time
 
 from prefect import flow
 
+from cluster import runtime
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
+from flows.deployments import R1_FLOW
 from flows.lock import acquire_workspace
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
-from flows.summary import publish_stage_artifact
+from flows.summary import publish_pipeline_artifact, publish_stage_artifact
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
@@ -31,6 +33,51 @@ from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
 
+COMPARE_PLOT = "compare/grpo-compare.png"  # the parent run's artifact, logged at every run end
+
+
+def named(call, name: str):
+    """``call`` (a Prefect task or flow) whose run is named ``name`` (``demo/rl_1``)."""
+    if hasattr(call, "flow_run_name"):
+        return call.with_options(flow_run_name=lambda: name)
+    return call.with_options(task_run_name=lambda: name)
+
+
+def _table_rows(path: str | None) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist() if path else []
+
+
+def run_note(cfg: PipelineConfig, rows: list[dict] | None = None) -> str:
+    """The parent run's MLflow description (``mlflow.note.content``): recipe, model, data and,
+    once known, the final table."""
+    model = cfg.model.model_dump(exclude_none=True)
+    data = cfg.data.model_dump(exclude_none=True)
+    lines = [
+        f"**R1 recipe** `{cfg.run_name}`: prepare -> cold_start_sft -> rl_1 -> "
+        "rejection_sampling -> re_sft -> rl_2 -> final evaluation of every stage's checkpoint.",
+        "",
+        f"- model: `{model}`",
+        f"- data: `{data}`",
+        f"- rewards: `{cfg.rewards}`; seed {cfg.seed}; RL: {cfg.rl.iterations} iterations x "
+        f"{cfg.rl.prompts_per_iteration} prompts x {cfg.rl.num_generations} generations, "
+        f"learning rate {cfg.rl.learning_rate:g}",
+        "",
+        "Charts: `eval/accuracy`, `eval/format_rate`, `eval/mean_length` have one step per "
+        "evaluated stage in recipe order ("
+        + ", ".join(f"{i} = {s}" for i, s in enumerate(CHECKPOINT_STAGES))
+        + f"); plot: artifact `{COMPARE_PLOT}`.",
+    ]
+    if rows:
+        lines += ["", "| stage | accuracy | format rate | mean length |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['stage']} | {100 * r['accuracy']:.1f}% | {100 * r['format_rate']:.1f}% "
+            f"| {r['mean_length']:.1f} |"
+            for r in rows
+        ]
+    return "\n".join(lines)
+
 
 def _end_tracking(flow, flow_run, state) -> None:
     """Flow hook: a failed pipeline ends its open MLflow runs FAILED; a crashed (interrupted:
@@ -39,7 +86,7 @@ def _end_tracking(flow, flow_run, state) -> None:
 
 
 @flow(
-    name="r1-pipeline",
+    name=R1_FLOW,  # one flow, one history: `grpo run` and the deployments (r1_from_config)
     flow_run_name="{cfg.run_name}",
     log_prints=True,
     on_failure=[_end_tracking],
@@ -47,6 +94,12 @@ def _end_tracking(flow, flow_run, state) -> None:
     on_cancellation=[_end_tracking],
 )
 def r1_pipeline(cfg: PipelineConfig) -> dict:
+    """The recipe from a loaded config (`grpo run`, Python). The deployments run the same
+    flow from a config path and overrides (flows/deployments.py: r1_from_config)."""
+    return locked_pipeline(cfg)
+
+
+def locked_pipeline(cfg: PipelineConfig) -> dict:
     # one run per workspace (the `grpo` CLI already holds the lock: this nests)
     with acquire_workspace(cfg.output_dir, cfg.run_name):
         return run_pipeline(cfg)
@@ -68,8 +121,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         {"pipeline": "r1", "seed": str(cfg.seed), "config_hash": config_hash(settings)},
         params=cfg.model_dump(),
         workspace=ws.root,  # a killed run of this workspace: its runs end, its parent goes on
+        system_metrics=CHECKPOINT_STAGES,  # the training stages (and their final eval)
     )
     parent = tracking.parent_run_id
+    tracking.set_tags(parent, {"mlflow.note.content": run_note(cfg)})
     tracking.log_text(parent, yaml.safe_dump(cfg.model_dump(), sort_keys=False), "config.yaml")
     timings: dict[str, float] = {}
     ckpts: dict[str, str] = {}
@@ -81,7 +136,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         timings[name] = time.perf_counter() - t0
         return out
 
-    data = timed("prepare", prepare, cfg.data, cfg.model, cfg.seed, ws)
+    run = cfg.run_name
+    runtime.configure(cfg.cluster)  # where rollouts and scoring run (the prepare task: warm)
+    data = timed("prepare", named(prepare, f"{run}/prepare"), cfg.data, cfg.model, cfg.seed, ws)
     common_rl = dict(
         rl_path=data["rl"],
         eval_path=data["eval"],
@@ -96,7 +153,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     sft = timed(
         "cold_start_sft",
-        sft_stage,
+        named(sft_stage, f"{run}/cold_start_sft"),
         "cold_start_sft",
         data["base"],
         data["sft"],
@@ -112,7 +169,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     rl1 = timed(
         "rl_1",
-        rl_stage,
+        named(rl_stage, f"{run}/rl_1"),
         "rl_1",
         ckpts["cold_start_sft"],
         cfg.rl,
@@ -123,7 +180,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     rs = timed(
         "rejection_sampling",
-        rejection_sampling,
+        named(rejection_sampling, f"{run}/rejection_sampling"),
         ckpts["rl_1"],
         data["rl"],
         str(ws.stage_dir("rejection_sampling")),
@@ -137,7 +194,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     re = timed(
         "re_sft",
-        sft_stage,
+        named(sft_stage, f"{run}/re_sft"),
         "re_sft",
         ckpts["rl_1"],
         rs.path,
@@ -152,7 +209,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     rl2 = timed(
         "rl_2",
-        rl_stage,
+        named(rl_stage, f"{run}/rl_2"),
         "rl_2",
         ckpts["re_sft"],
         cfg.rl_2_config(),
@@ -171,8 +228,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "re_sft": re.run_id,
         "rl_2": rl2["run_id"],
     }
-    for stage in CHECKPOINT_STAGES:
-        ev = evaluate_stage(
+    for index, stage in enumerate(CHECKPOINT_STAGES):
+        ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
             stage,
             ckpts[stage],
             data["eval"],
@@ -185,19 +242,22 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         summary_metrics = ev.summary_metrics()
         metrics = {f"{stage}/eval/{k}": v for k, v in summary_metrics.items()}
         tracking.log_metrics(parent, metrics)
+        # the stage progression as charts: one step per evaluated stage, in recipe order
+        tracking.log_metrics(parent, {f"eval/{k}": v for k, v in summary_metrics.items()}, index)
         tracking.log_metrics(eval_run, metrics)
-        tracking.log_artifact(eval_run, ev.table, "eval_tables")
+        tracking.log_artifact(eval_run, ev.table, "eval_tables")  # Parquet: pandas / DuckDB
+        tracking.log_table(eval_run, _table_rows(ev.table), f"eval_tables/{stage}.json")
         # the stage's own run gets its final held-out numbers, table and sample completions
         tracking.log_metrics(
             stage_runs[stage], {f"final_eval/{k}": v for k, v in summary_metrics.items()}
         )
         tracking.log_artifact(stage_runs[stage], ev.table, "eval")
-        tracking.log_json(stage_runs[stage], ev.samples, "eval_samples.json")
-        publish_stage_artifact(
-            stage, summary_metrics, stage_runs[stage], cfg.tracking.uri, ev.samples
-        )
-    tracking.log_json(
-        eval_run, {s: results[s].samples for s in CHECKPOINT_STAGES}, "eval_samples.json"
+        tracking.log_table(stage_runs[stage], ev.samples, "eval/samples.json")
+        publish_stage_artifact(stage, summary_metrics, stage_runs[stage], tracking, ev.samples)
+    tracking.log_table(
+        eval_run,
+        [{"stage": s, **r} for s in CHECKPOINT_STAGES for r in results[s].samples],
+        "eval_samples.json",
     )
     tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0
@@ -215,6 +275,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "run_name": cfg.run_name,
         "parent_run_id": parent,
         "tracking_uri": cfg.tracking.uri,
+        "parent_run_url": tracking.run_url(parent),
+        "prefect_ui": _flow_run_url(),
         "workspace": str(ws.root),
         "stages": rows,
         "rejection_sampling": {k: rs.metrics[k] for k in ("sampled", "kept", "acceptance_rate")},
@@ -232,8 +294,44 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         summary["registered_model"] = f"{mv.name}/{mv.version}"
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
-    tracking.set_tags(parent, {"policy_id": results["rl_2"].policy_id})
+    note = run_note(cfg, rows)
+    tracking.set_tags(parent, {"policy_id": results["rl_2"].policy_id, "mlflow.note.content": note})
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
+    plot = _compare_plot(tracking, ws)
     tracking.log_json(parent, summary, "summary.json")
+    publish_pipeline_artifact(summary, tracking, plot)
     tracking.end(parent)
     return summary
+
+
+def _flow_run_url() -> str | None:
+    """This flow run's page in the Prefect UI, for a standing server (PREFECT_API_URL set)."""
+    import os
+
+    from prefect.runtime import flow_run
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    if not os.environ.get("PREFECT_API_URL") or not ui or not flow_run.id:
+        return None
+    return f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}"
+
+
+def _compare_plot(tracking: Tracking, ws: Workspace) -> str | None:
+    """``grpo compare``'s table and PNG for this run, the PNG logged to the parent run
+    (``compare/grpo-compare.png``); returns that artifact path."""
+    import io
+
+    from rich.console import Console
+
+    from flows.compare import compare
+
+    out = ws.root / "grpo-compare.png"
+    compare(
+        tracking.uri,
+        [tracking.parent_run_id],
+        output=out,
+        log_artifact=True,
+        console=Console(file=io.StringIO()),
+    )
+    return COMPARE_PLOT

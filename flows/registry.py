@@ -7,7 +7,9 @@ files, chat template), logged under the parent run's ``final_checkpoint/`` artif
 ``AutoModelForCausalLM.from_pretrained`` and vLLM load as is; no MLflow flavor wrapper.
 Files are chosen by an allow-list: what else a checkpoint holds (``trainer_state.pt`` with
 the optimizer state, ``policy_id.txt``, ``checkpoint_info.json``, anything added later) stays
-out. The policy id becomes a version tag. Stage metrics go to the version's tags and
+out. A LoRA checkpoint's adapter goes along under ``final_checkpoint/adapter/`` (for
+``PeftModel.from_pretrained`` on the stage's initial weights; tag ``adapter``), beside the
+merged weights that ``from_pretrained`` loads. The policy id becomes a version tag. Stage metrics go to the version's tags and
 description.
 """
 
@@ -116,8 +118,9 @@ def register_final_checkpoint(
         "run_name": run.info.run_name or "",
         "stage": final_stage,
         "format": "huggingface",
-        "git_commit": run.data.tags.get("git_commit", "unknown"),
+        "git_commit": run.data.tags.get("mlflow.source.git.commit", "unknown"),
         "policy_id": policy_id(checkpoint_dir),  # the weights' hash, verified
+        **({"adapter": "adapter/"} if (checkpoint_dir / "adapter").is_dir() else {}),
         **{k: f"{v:.6g}" for k, v in flat.items()},
     }
     version = client.create_model_version(

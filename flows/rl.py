@@ -12,7 +12,6 @@ over the stage's optimizer steps.
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from tasks.workspace import Workspace
 KEEP_ITERATION_CHECKPOINTS = 2
 
 
-@flow(name="rl-stage", flow_run_name="{stage}")
+@flow(name="rl-stage", flow_run_name="{tracking.run_name}/{stage}")
 def rl_stage(
     stage: str,
     init_checkpoint: str,
@@ -77,11 +76,12 @@ def rl_stage(
         init_checkpoint,
     )
     group: IterationGroup | None = None
+    name = tracking.child_name(stage)  # demo/rl_1: Prefect task runs as MLflow runs
     for it in range(rl.iterations):
         if it % rl.eval_every == 0:
             last_it = min(it + rl.eval_every, rl.iterations) - 1
             group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
-        roll = rollout(
+        roll = named(rollout, f"{name}/rollout-{it}")(
             stage,
             it,
             policy,
@@ -92,8 +92,10 @@ def rl_stage(
             engine,
             force=force,
         )
-        scored = score(stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force)
-        upd = update(
+        scored = named(score, f"{name}/score-{it}")(
+            stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force
+        )
+        upd = named(update, f"{name}/update-{it}")(
             stage,
             it,
             policy,
@@ -111,13 +113,13 @@ def rl_stage(
         reused += it_cached
         group.cached &= bool(it_cached)
         for i, h in enumerate(upd.history):
-            metrics.add(h, step + i + 1)
-            group.add(h)
-        iter_metrics = {**roll.metrics, **scored.metrics}
-        iter_metrics.update({"iteration": it, "timing/update_s": upd.seconds})
+            metrics.add(headline_first(h), step + i + 1)
+            group.add(h, step + i + 1)
+        iter_metrics = headline_first({**scored.metrics, **roll.metrics})
+        iter_metrics["timing/update_s"] = upd.seconds
         step, policy = upd.global_step, upd.checkpoint
         metrics.add(iter_metrics, step)
-        group.add(iter_metrics)
+        group.add(iter_metrics, step)
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
@@ -140,7 +142,10 @@ def rl_stage(
             eval_metrics = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
             metrics.add(eval_metrics, step)
             group.end(step, eval_metrics, policy_id(policy))
-            tracking.log_json(run_id, _rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
+            # tables the MLflow UI pages through: training completions with their rewards,
+            # and held-out completions, at this eval point
+            tracking.log_table(run_id, _rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
+            tracking.log_table(run_id, ev.samples, f"eval_samples/iter_{it:04d}.json")
             log.info(
                 "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
                 stage,
@@ -156,11 +161,17 @@ def rl_stage(
         with atomic_path(final) as tmp:
             shutil.copytree(policy, tmp)
     warm.relabel(final)  # same weights as the last iteration's checkpoint
-    stage_tags = {"policy_id": policy_id(final), "cached": str(reused == rl.iterations).lower()}
+    stage_tags = {
+        "policy_id": policy_id(final),
+        "cached": str(reused == rl.iterations).lower(),
+        # bookkeeping: tags, not metrics
+        "global_step": str(step),
+        "cached_iterations": str(reused),
+    }
     if reused:
         log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
     wall = time.perf_counter() - t0
-    metrics.add({"wall_time_s": wall, "global_step": step, "cached_iterations": reused}, step)
+    metrics.add({"wall_time_s": wall}, step)
     metrics.flush(tags=stage_tags)
     tracking.log_json(run_id, evals, "eval_history.json")
     tracking.end(run_id)
@@ -177,20 +188,19 @@ def rl_stage(
 @dataclass
 class IterationGroup:
     """A run nested under the RL stage's run for iterations ``first..last`` (one eval
-    block): the block's mean of every per-step and per-iteration metric, the eval at its
-    end, and tags ``iterations``, ``policy_id`` (the block's last checkpoint), ``config_hash``
-    and ``cached``, so MLflow's compare view and ``search_runs`` can set blocks of one stage,
-    or of different runs, side by side. (The full curves stay on the stage run.)"""
+    block), named ``<run>/<stage>/iter_<first>-<last>``: the block's curves (every per-step
+    and per-iteration metric at its global step), the eval at its end, and tags
+    ``iterations``, ``policy_id`` (the block's last checkpoint), ``config_hash`` and
+    ``cached``, so MLflow's compare view and ``search_runs`` can set blocks of one stage, or
+    of different runs, side by side."""
 
     tracking: Tracking
     run_id: str
-    values: dict[str, list[float]] = field(default_factory=dict)
+    batch: list = field(default_factory=list)
     cached: bool = True
 
-    def add(self, metrics: dict) -> None:
-        for k, v in metrics.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v):
-                self.values.setdefault(k, []).append(float(v))
+    def add(self, metrics: dict, step: int) -> None:
+        self.batch.extend(metric_batch(metrics, step))
 
     @classmethod
     def start(cls, tracking, stage_run_id, stage, first, last, config) -> IterationGroup:
@@ -199,18 +209,34 @@ class IterationGroup:
             {"iterations": f"{first}-{last}"},
             config=config,
             parent_run_id=stage_run_id,
-            run_name=f"{stage}/iter_{first:04d}-{last:04d}",
+            run_name=tracking.child_name(f"{stage}/iter_{first:04d}-{last:04d}"),
         )
         return cls(tracking, run_id)
 
     def end(self, step: int, eval_metrics: dict, policy: str) -> None:
-        means = {k: math.fsum(v) / len(v) for k, v in self.values.items() if k != "iteration"}
         self.tracking.log_metric_batch(
             self.run_id,
-            metric_batch({**means, **eval_metrics}, step),
+            self.batch + metric_batch(eval_metrics, step),
             {"policy_id": policy, "cached": str(self.cached).lower()},
         )
         self.tracking.end(self.run_id)
+
+
+HEADLINE = ("reward", "eval/accuracy", "accuracy", "loss", "kl", "entropy")
+
+
+def headline_first(metrics: dict) -> dict:
+    """``metrics`` with the headline curves (reward, accuracy, loss, KL, entropy) first:
+    the order in which they are first logged."""
+    return {
+        **{k: metrics[k] for k in HEADLINE if k in metrics},
+        **{k: v for k, v in metrics.items() if k not in HEADLINE},
+    }
+
+
+def named(call, name: str):
+    """A Prefect task whose run is named ``name`` (``demo/rl_1/rollout-0``)."""
+    return call.with_options(task_run_name=lambda: name)
 
 
 def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from prefect import flow
 
+from cluster import runtime
 from flows.config import PipelineConfig, load_config
+from tasks import warm
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
@@ -29,7 +31,10 @@ from tasks.workspace import Workspace
 
 
 def _config(config: str | None, overrides: list[str] | None) -> PipelineConfig:
-    return load_config(config, list(overrides or []))
+    cfg = load_config(config, list(overrides or []))
+    warm.configure(cfg.model)  # how policies are loaded (model.dtype, model.lora, ...)
+    runtime.configure(cfg.cluster)  # where rollouts and scoring run (cluster.backend)
+    return cfg
 
 
 def _tag(obj) -> str:
@@ -39,7 +44,10 @@ def _tag(obj) -> str:
 def _default_data(cfg: PipelineConfig, split: str) -> str:
     """The config's own split (the demo's is generated into the workspace, as `grpo run` does)."""
     if cfg.data.source == "files":
-        return {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
+        path = {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
+        plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
+        if plain and cfg.data.mapping().identity:
+            return path  # else: mapped into the workspace, as `grpo run` does
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
     return prepare.fn(cfg.data, cfg.model, cfg.seed, ws)[split]
 

@@ -52,7 +52,8 @@ MODEL_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-MODEL_DIRS = ("additional_chat_templates",)  # extra named chat templates (*.jinja)
+# extra named chat templates (*.jinja); a LoRA checkpoint's adapter (grpo_core/lora.py)
+MODEL_DIRS = ("additional_chat_templates", "adapter")
 
 STATS = {"files_hashed": 0}  # files read in full by file_sha256 (tests count them)
 _MEMO: dict[tuple[int, int, int, int], str] = {}  # (dev, inode, size, mtime_ns) -> sha256
@@ -154,12 +155,21 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     info: dict | None = None,
 ) -> Path:
-    """``save_pretrained`` model and tokenizer (safetensors) into ``out_dir`` atomically."""
+    """``save_pretrained`` model and tokenizer (safetensors) into ``out_dir`` atomically.
+
+    A ``peft`` model is saved as its merged weights plus its adapter in ``adapter/``
+    (grpo_core/lora.py)."""
     import torch
+
+    from grpo_core import lora
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        if lora.is_peft(model):
+            lora.save_merged(model, tmp)
+            lora.save_adapter(model, tmp / lora.ADAPTER_DIR)
+        else:
+            model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / TRAINER_STATE)
@@ -233,21 +243,119 @@ def policy_id(ckpt_dir: str | Path) -> str:
     return pid
 
 
-def load_checkpoint(ckpt_dir: str | Path, *, dtype: torch.dtype | None = None):
-    """Load ``(model, tokenizer)`` through the Auto classes, as for any hub model
-    (``dtype`` default: float32)."""
+def resolve_model_path(value: str | Path, field: str = "model.path") -> Path:
+    """A ``save_pretrained`` directory, or a hub id resolved to its snapshot in the local
+    Hugging Face cache (``local_files_only``: nothing is downloaded)."""
+    from grpo_core.errors import UserError
+
+    p = Path(value).expanduser()
+    if p.is_dir():
+        return p.resolve()
+    try:
+        from huggingface_hub import constants, snapshot_download
+
+        cache = constants.HF_HUB_CACHE
+    except ImportError:  # pragma: no cover - a dependency of transformers
+        snapshot_download, cache = None, "~/.cache/huggingface/hub"
+    if snapshot_download is not None and not p.is_absolute():
+        with contextlib.suppress(Exception):  # not cached, or not a valid repo id
+            return Path(snapshot_download(str(value), local_files_only=True))
+    raise UserError(
+        f"{field} {str(value)!r}: no such directory ({p.resolve()}) and no snapshot of a hub "
+        f"model of that id in the local Hugging Face cache ({cache}); give a save_pretrained "
+        "directory, download the model into the cache first, or import a GGUF file with "
+        "`grpo import-gguf`"
+    )
+
+
+def load_checkpoint(
+    ckpt_dir: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = None,
+    gradient_checkpointing: bool = False,
+    load_in_4bit: bool = False,
+    device: str | None = "auto",
+):
+    """Load ``(model, tokenizer)`` through the Auto classes, as for any hub model.
+
+    ``dtype``: a torch dtype, ``"auto"`` (the config's ``dtype``) or a name (default
+    float32); ``attn_implementation``: transformers' (``eager``, ``sdpa``,
+    ``flash_attention_2``; default its own choice); ``gradient_checkpointing`` turns it on
+    with ``use_reentrant=False``; ``load_in_4bit``: NF4 weights through bitsandbytes
+    (QLoRA; needs a CUDA GPU); ``device``: where the model goes (:func:`resolve_device`:
+    ``auto`` is this process's current CUDA device when there is one, else the CPU)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from grpo_core.errors import UserError
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / "config.json").exists():
         raise FileNotFoundError(f"{ckpt_dir} is not a checkpoint: config.json missing")
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    kwargs: dict = {"dtype": dtype or torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    if load_in_4bit:
+        if not torch.cuda.is_available():
+            raise UserError(
+                "model.load_in_4bit (QLoRA) needs a CUDA GPU with bitsandbytes; this machine "
+                "has none: set model.load_in_4bit=false (LoRA on full-precision weights)"
+            )
+        from transformers import BitsAndBytesConfig
+
+        compute = kwargs["dtype"] if isinstance(kwargs["dtype"], torch.dtype) else torch.bfloat16
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+        )
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
     tokenizer = AutoTokenizer.from_pretrained(ckpt_dir)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, dtype=dtype or torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(ckpt_dir, **kwargs)
+    target = resolve_device(device)
+    if not load_in_4bit and target.type != "cpu":  # 4-bit weights are placed by device_map
+        model = model.to(target)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model, tokenizer
+
+
+def resolve_device(device: str | None = "auto"):
+    """The torch device of ``model.device``: ``auto`` (or None) is the current CUDA device
+    when CUDA is available (the one ``torch.cuda.set_device`` or Ray's
+    ``CUDA_VISIBLE_DEVICES`` chose for this rank), else the CPU; ``cpu``, ``cuda`` and
+    ``cuda:N`` are taken as given, and a CUDA device on a machine without one is refused."""
+    import torch
+
+    from grpo_core.errors import UserError
+
+    cuda = torch.cuda.is_available()
+    if device in (None, "auto"):
+        return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UserError(
+            f"model.device: expected auto, cpu, cuda or cuda:N, got {device!r}"
+        ) from None
+    if target.type == "cuda":
+        if not cuda:
+            raise UserError(
+                f"model.device: {device!r} but this machine has no CUDA device torch can use; "
+                "set model.device=auto (or cpu)"
+            )
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    elif target.type != "cpu":
+        raise UserError(f"model.device: expected auto, cpu, cuda or cuda:N, got {device!r}")
+    return target
 
 
 def load_trainer_state(ckpt_dir: str | Path) -> dict | None:

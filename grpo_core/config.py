@@ -12,64 +12,66 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import fields
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from grpo_core.data_config import DataConfig, DemoDataConfig, WordProblemsConfig
 from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
+from grpo_core.model_config import DemoModelConfig, LoraConfig, ModelConfig
+from grpo_core.section import Section
+
+__all__ = [
+    "DataConfig",
+    "DemoDataConfig",
+    "DemoModelConfig",
+    "EvalConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RLConfig",
+    "RejectionConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "Section",
+    "VLLMConfig",
+    "WordProblemsConfig",
+]
 
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class TrainingKnobs(Section):
+    """Memory and precision options of the sections that train (``sft``, ``rl``):
+    docs/algorithm.md, "Training at size"."""
 
+    section_name: ClassVar[str] = ""
 
-class DemoModelConfig(Section):
-    hidden_size: int = 128
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    intermediate_size: int = 512
-
-
-class ModelConfig(Section):
-    source: Literal["demo", "path"] = "demo"
-    path: str | None = Field(None, description="save_pretrained directory when source=path")
-    demo: DemoModelConfig = DemoModelConfig()
-
-    @model_validator(mode="after")
-    def _path_given(self) -> ModelConfig:
-        if self.source == "path" and not self.path:
-            raise ValueError("model.path is required when model.source is 'path'")
-        return self
-
-
-class DemoDataConfig(Section):
-    digits: int = Field(3, ge=1, le=6)
-    n_sft: int = Field(1000, ge=1)
-    n_rl: int = Field(20000, ge=1)
-    n_dev: int = Field(100, ge=0, description="SFT early-stop split, disjoint from eval")
-    n_eval: int = Field(200, ge=1)
-
-
-class DataConfig(Section):
-    source: Literal["demo", "files"] = "demo"
-    sft_path: str | None = None
-    rl_path: str | None = None
-    eval_path: str | None = None
-    max_prompt_chars: int = Field(
-        200_000, ge=1, description="longest prompt accepted, in characters (checked up front)"
+    max_tokens_per_microbatch: int | None = Field(
+        None,
+        ge=1,
+        description="split each micro-batch into chunks of at most this many padded tokens "
+        "(same gradient; bounds activation memory); None: off",
     )
-    demo: DemoDataConfig = DemoDataConfig()
+    lm_head: Literal["chunked", "logits"] = Field(
+        "chunked",
+        description="chunked: log-probs from the hidden states through the LM head, chunk by "
+        "chunk; logits: the model's full logits",
+    )
+    bf16: bool = Field(False, description="bf16 autocast, float32 master weights and log-probs")
+    fp16: bool = Field(False, description="fp16 autocast with loss scaling (CUDA only)")
+    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = Field(
+        "adamw_torch", description="adamw_bnb_8bit: bitsandbytes 8-bit AdamW (CUDA only)"
+    )
 
     @model_validator(mode="after")
-    def _paths_given(self) -> DataConfig:
-        if self.source == "files":
-            missing = [k for k in ("sft_path", "rl_path", "eval_path") if not getattr(self, k)]
-            if missing:
-                raise ValueError(f"data.source is 'files' but {', '.join(missing)} not set")
+    def _one_precision(self) -> TrainingKnobs:
+        if self.bf16 and self.fp16:
+            name = self.section_name
+            raise ValueError(f"{name}.bf16 and {name}.fp16 are both true: choose one")
         return self
 
 
-class SFTConfig(Section):
+class SFTConfig(TrainingKnobs):
+    section_name: ClassVar[str] = "sft"
+
     max_steps: int = Field(1200, ge=0)
     batch_size: int = Field(32, ge=1)
     learning_rate: float = Field(3e-3, gt=0)
@@ -126,7 +128,9 @@ class RolloutConfig(Section):
         return {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
 
 
-class RLConfig(Section):
+class RLConfig(TrainingKnobs):
+    section_name: ClassVar[str] = "rl"
+
     iterations: int = Field(40, ge=0, description="generation batches (rollout->score->update)")
     prompts_per_iteration: int = Field(32, ge=1)
     num_generations: int = Field(8, ge=2)
@@ -179,6 +183,13 @@ class RLConfig(Section):
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
     mask_truncated_completions: bool = False
+    old_logprobs: Literal["auto", "recompute", "sampler"] = Field(
+        "auto",
+        description="old log-probs (needed with several optimizer steps or passes per "
+        "generation batch): recompute with a no-grad forward, or take the sampler's stored "
+        "ones; auto: the sampler's when they are the same numbers (hf engine, same policy, "
+        "float32, unprocessed distribution: grpo_core/old_logprobs.py)",
+    )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -244,6 +255,15 @@ class RLConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sampler_without_correction(self) -> RLConfig:
+        if self.old_logprobs == "sampler" and self.vllm_importance_sampling_correction:
+            raise ValueError(
+                "rl.old_logprobs=sampler with rl.vllm_importance_sampling_correction: the "
+                "correction's ratio would be 1 on every token; use auto or recompute"
+            )
+        return self
+
     @property
     def optimizer_steps_per_generation(self) -> int:
         """Optimizer steps per pass over one generation batch."""
@@ -274,6 +294,10 @@ class RLConfig(Section):
             max_grad_norm=self.max_grad_norm,
             disable_dropout=self.disable_dropout,
             engine_correction=engine,
+            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
+            lm_head=self.lm_head,
+            bf16=self.bf16,
+            fp16=self.fp16,
         )
 
     @model_validator(mode="after")
@@ -307,9 +331,22 @@ class RejectionConfig(Section):
 
 
 class EvalConfig(Section):
+    """Held-out evaluation (grpo_core/evaluation.py). A completion counts as correct only with
+    the accuracy reward's full credit: for ``code_tests``, all of the problem's tests pass."""
+
     num_examples: int | None = Field(None, ge=1, description="None: the whole eval split")
     max_completion_length: int = Field(48, ge=1)
+    num_samples: int = Field(
+        1, ge=1, description="k samples per problem: 1 is greedy pass@1; k > 1 adds pass@k, maj@k"
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="None: greedy for num_samples 1, else 1.0"
+    )
     sample_table_rows: int = Field(20, ge=0)
     engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
-    accuracy_reward: str = "accuracy"
+    accuracy_reward: str = Field(
+        "accuracy",
+        description="accuracy (<answer> tag), math_verify (\\boxed{}), code_tests (all tests "
+        "pass), or any reward name",
+    )
     format_reward: str = "format"

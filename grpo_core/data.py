@@ -1,32 +1,101 @@
-"""Prompt datasets: JSONL, JSON, Parquet, or a ``datasets`` dataset saved to disk.
+"""Prompt datasets: JSONL, JSON, Parquet, CSV/TSV, or a ``datasets`` dataset on disk.
 
 Rows need a ``prompt`` (text or chat messages); SFT rows also a ``completion``. Other
 columns (``answer``, ``tests``, ...) are passed by name to reward functions, as in TRL.
+A dataset with other column names goes through a ``grpo_core.columns.RowMapping`` first.
 Every problem is a ``UserError`` that names the file, the row and the field.
+
+Paths: a file (``.jsonl``, ``.json``, ``.parquet``, ``.csv``, ``.tsv``), a folder written by
+``datasets``' ``save_to_disk`` (a ``Dataset`` or a ``DatasetDict``), or a folder of data files
+``datasets.load_dataset`` reads (a downloaded hub dataset repository). A split of a
+``DatasetDict`` or of such a folder is named after ``::``: ``data/gsm8k::test``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_core.errors import UserError
 
+if TYPE_CHECKING:
+    from grpo_core.columns import RowMapping
+
 # passed to reward functions as keywords of their own: a column of that name cannot be
 RESERVED_COLUMNS = ("prompts", "completions")
+SPLIT_SEP = "::"
 
 
-def _read(path: Path) -> list:
+def split_path(path: str | Path) -> tuple[Path, str | None]:
+    """``"dir::test"`` -> ``(Path("dir"), "test")``; a path without ``::`` has no split."""
+    text = str(path)
+    if SPLIT_SEP in text:
+        base, split = text.rsplit(SPLIT_SEP, 1)
+        return Path(base), split or None
+    return Path(text), None
+
+
+def _pick_split(dd, path: Path, split: str | None):
+    names = list(dd.keys())
+    if split is None:
+        if len(names) == 1:
+            return dd[names[0]]
+        raise UserError(
+            f"{path}: a dataset with splits {', '.join(names)}; name one as "
+            f"{path}{SPLIT_SEP}{names[0]}"
+        )
+    if split not in dd:
+        raise UserError(
+            f"{path}{SPLIT_SEP}{split}: no split {split!r}; the dataset has {', '.join(names)}"
+        )
+    return dd[split]
+
+
+def _read_datasets(path: Path, split: str | None) -> list:
+    import datasets
+
+    saved = any((path / f).exists() for f in ("dataset_dict.json", "state.json"))
+    try:
+        if saved:
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.load_dataset(str(path), split=None)
+    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        raise UserError(
+            f"{path}: a folder, but neither a dataset saved with datasets' save_to_disk nor a "
+            f"folder of data files datasets.load_dataset reads ({str(e).splitlines()[0]})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = _pick_split(ds, path, split)
+    elif split is not None:
+        raise UserError(f"{path}: a single dataset, it has no split {split!r}; drop '::{split}'")
+    return [dict(r) for r in ds]
+
+
+def _read_csv(path: Path) -> list:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(
+            "csv",
+            data_files=str(path),
+            split="train",
+            delimiter="\t" if path.suffix == ".tsv" else ",",
+        )
+    except (ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        cause = e.__cause__ or e
+        raise UserError(f"{path}: not a readable CSV file ({str(cause).splitlines()[0]})") from None
+    return [dict(r) for r in ds]
+
+
+def _read(path: Path, split: str | None = None) -> list:
     if path.is_dir():
-        from datasets import load_from_disk
-
-        try:
-            return [dict(r) for r in load_from_disk(str(path))]
-        except (FileNotFoundError, ValueError) as e:
-            raise UserError(
-                f"{path}: a folder, but not a dataset saved with datasets' save_to_disk ({e})"
-            ) from None
+        return _read_datasets(path, split)
+    if split is not None:
+        raise UserError(f"{path}: a file has no splits; drop '{SPLIT_SEP}{split}'")
+    if path.suffix in (".csv", ".tsv"):
+        return _read_csv(path)
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -59,8 +128,8 @@ def _read(path: Path) -> list:
             raise UserError(f"{path}: expected a JSON list of rows, got {type(rows).__name__}")
         return rows
     raise UserError(
-        f"{path}: unsupported data format {path.suffix!r} (use .jsonl, .json, .parquet or a "
-        "datasets dir)"
+        f"{path}: unsupported data format {path.suffix!r} (use .jsonl, .json, .parquet, .csv, "
+        ".tsv or a datasets folder)"
     )
 
 
@@ -120,6 +189,7 @@ def load_rows(
     *,
     required: tuple[str, ...] = ("prompt",),
     max_prompt_chars: int | None = None,
+    mapping: RowMapping | None = None,
 ) -> list[dict]:
     """Read rows and check each one; errors name the file, row and field.
 
@@ -127,18 +197,24 @@ def load_rows(
     (``{role, content}``) of at most ``max_prompt_chars`` characters; ``completion``, when
     required, is text; no column is named ``prompts``/``completions``; and a column holds
     the same kind of value in every row (the rollout Parquet needs one type per column).
+    ``mapping`` turns a plain dataset's columns into those first (SFT rows when ``required``
+    has ``completion``).
     """
-    path = Path(path)
+    source = str(path)
+    path, split = split_path(path)
     if not path.exists():
         raise UserError(f"{path}: data file does not exist")
     try:
-        rows = _read(path)
+        rows = _read(path, split)
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except PermissionError:
         raise UserError(f"{path}: cannot read the data file (permission denied)") from None
     if not rows:
-        raise UserError(f"{path}: no rows")
+        raise UserError(f"{source}: no rows")
+    if mapping is not None:
+        rows = mapping.apply(rows, source, sft="completion" in required)
+    path = source
     kinds: dict[str, tuple[str, int]] = {}  # column -> (kind of its first non-null value, row)
     for i, row in enumerate(rows):
         if not isinstance(row, dict):

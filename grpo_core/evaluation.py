@@ -1,33 +1,114 @@
-"""Held-out evaluation: greedy pass@1, format rate and mean completion length.
+"""Held-out evaluation: pass@1 (and pass@k, maj@k over k samples), format rate and mean
+completion length.
 
-The same rows, decoding and reward functions are used for every stage's checkpoint, so
-the numbers are comparable across the pipeline.
+A completion is correct only when the accuracy reward gives it full credit (1.0): for code
+(``code_tests``) a problem counts only when all its tests pass, pass@1 in its usual meaning;
+the reward's own value (partial credit) is kept in the table as ``score``.
+
+With ``num_samples=1`` (the default) the completion is greedy and ``accuracy`` is greedy
+pass@1. With ``num_samples=k > 1`` each prompt gets k samples at ``temperature`` and:
+
+- ``accuracy``: pass@1 estimated from the k samples (mean of c/k), the same as the mean of
+  ``correct`` over the table's rows;
+- ``pass_at_k``: the unbiased estimator of Chen et al. 2021 (arXiv:2107.03374),
+  ``1 - C(n-c, k) / C(n, k)`` per problem with n=k samples of which c are correct, averaged;
+- ``maj_at_k``: the share of problems where the most frequent extracted answer (ties: the
+  answer seen first) is correct. Answers come from the accuracy reward's own extraction
+  (``accuracy``: the last ``<answer>`` tag; ``math_verify``: the last ``\\boxed{}``, else the
+  tag; numbers compare as numbers). Code has no answer to vote on (two programs that pass
+  different tests are not "the same answer"), so for ``code_tests`` and any reward without an
+  extraction it is ``None``.
+
+The same rows, decoding and reward functions are used for every stage's checkpoint, so the
+numbers are comparable across the pipeline.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
+from math import comb
 
 from grpo_core import rewards
 from grpo_core.generation import SamplingParams, generate
 from grpo_core.text import decode_completion, encode_prompt, prompt_text
 
+FULL_CREDIT = 1.0 - 1e-9
+
 
 @dataclass
 class EvalResult:
-    accuracy: float  # greedy pass@1
+    accuracy: float  # pass@1: greedy, or estimated from num_samples samples
     format_rate: float
     mean_length: float  # completion tokens
     num_examples: int
-    table: list[dict]  # one row per example: prompt, completion, answer, scores
+    table: list[dict]  # one row per example and sample: prompt, completion, answer, scores
+    num_samples: int = 1
+    pass_at_k: float | None = None  # num_samples > 1
+    maj_at_k: float | None = None  # num_samples > 1 and an answer extraction exists
 
     def summary(self) -> dict[str, float]:
-        return {
+        out = {
             "accuracy": self.accuracy,
             "format_rate": self.format_rate,
             "mean_length": self.mean_length,
             "num_examples": float(self.num_examples),
         }
+        if self.num_samples > 1:
+            out["num_samples"] = float(self.num_samples)
+            out["pass_at_k"] = self.pass_at_k
+            if self.maj_at_k is not None:
+                out["maj_at_k"] = self.maj_at_k
+        return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. 2021's unbiased pass@k of one problem: n samples, c of them correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _answer_tag(text: str) -> str | None:
+    from grpo_core.rewards.accuracy import extract_tag
+
+    return extract_tag(text)
+
+
+def _boxed_or_tag(text: str) -> str | None:
+    from grpo_core.rewards.accuracy import extract_boxed, extract_tag
+
+    found = extract_boxed(text)
+    return found if found is not None else extract_tag(text)
+
+
+# accuracy reward -> the answer it reads from a completion (maj@k votes on these)
+ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "accuracy": _answer_tag,
+    "math_verify": _boxed_or_tag,
+}
+
+
+def vote_key(answer: str) -> str:
+    """Answers that are the same number vote together (``1,000`` and ``1000``)."""
+    from grpo_core.rewards.accuracy import parse_number
+
+    num = parse_number(answer)
+    return f"number:{num}" if num is not None else f"text:{answer.strip()}"
+
+
+def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    """Whether the most frequent extracted answer (ties: seen first) is a correct one."""
+    keys = [vote_key(a) if a is not None and a.strip() else None for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return False
+    top = max(counts.values())
+    winner = next(k for k in keys if k is not None and counts[k] == top)
+    return any(ok for k, ok in zip(keys, correct, strict=True) if k == winner)
 
 
 def passthrough_columns(rows: list[dict]) -> dict[str, list]:
@@ -45,17 +126,24 @@ def evaluate(
     accuracy_reward: str = "accuracy",
     format_reward: str = "format",
     batch_size: int = 512,
-    temperature: float = 0.0,
+    temperature: float | None = None,
+    num_samples: int = 1,
     seed: int = 0,
     desc: str = "eval",
     engine=None,
 ) -> EvalResult:
-    """Greedy (``temperature=0``) completions scored for accuracy and format. ``engine``: a
+    """``num_samples`` completions per row (greedy for 1, unless ``temperature`` is given;
+    ``temperature`` defaults to 1.0 for more), scored for accuracy and format. ``engine``: a
     ``grpo_core.engines`` rollout engine holding ``model``'s weights (default: HF generate)."""
     if not rows:
         raise ValueError("evaluation: no rows")
+    if num_samples < 1:
+        raise ValueError(f"evaluation: num_samples must be >= 1, got {num_samples}")
+    if temperature is None:
+        temperature = 0.0 if num_samples == 1 else 1.0
+    k = num_samples
     prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
-    params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
+    params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     if engine is not None:
         samples = engine.generate(prompt_ids, params, desc=desc)
     else:
@@ -68,28 +156,51 @@ def evaluate(
             batch_size=batch_size,
             desc=desc,
         )
+    # samples are prompt-major: row i's k samples are samples[i*k : (i+1)*k]
+    flat_rows = [r for r in rows for _ in range(k)]
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]
-    prompts = [r["prompt"] for r in rows]
     scored = rewards.score_completions(
-        prompts,
+        [r["prompt"] for r in flat_rows],
         completions,
-        passthrough_columns(rows),
+        passthrough_columns(flat_rows),
         {accuracy_reward: 1.0, format_reward: 1.0},
     )
-    acc = [v or 0.0 for v in scored.per_function[accuracy_reward]]
+    score = [v or 0.0 for v in scored.per_function[accuracy_reward]]
+    correct = [1.0 if v >= FULL_CREDIT else 0.0 for v in score]
     fmt = [v or 0.0 for v in scored.per_function[format_reward]]
     lengths = [len(s.completion_ids) for s in samples]
+    texts = {i: prompt_text(tokenizer, r["prompt"]) for i, r in enumerate(rows)}
     table = [
         {
-            "prompt": prompt_text(tokenizer, r["prompt"]),
+            "prompt": texts[j // k],
+            "sample_idx": j % k,
             "completion": c,
             "answer": r.get("answer"),
-            "correct": a,
+            "correct": ok,
+            "score": sc,
             "formatted": f,
             "length": n,
             "finish_reason": s.finish_reason,
         }
-        for r, c, a, f, n, s in zip(rows, completions, acc, fmt, lengths, samples, strict=True)
+        for j, (r, c, ok, sc, f, n, s) in enumerate(
+            zip(flat_rows, completions, correct, score, fmt, lengths, samples, strict=True)
+        )
     ]
-    n = len(rows)
-    return EvalResult(sum(acc) / n, sum(fmt) / n, sum(lengths) / n, n, table)
+    n_rows = len(table)
+    result = EvalResult(
+        sum(correct) / n_rows, sum(fmt) / n_rows, sum(lengths) / n_rows, len(rows), table, k
+    )
+    if k > 1:
+        per_problem = [correct[i * k : (i + 1) * k] for i in range(len(rows))]
+        result.pass_at_k = sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / len(rows)
+        extract = ANSWER_EXTRACTORS.get(accuracy_reward)
+        if extract is not None:
+            votes = [
+                majority_correct(
+                    [extract(c) for c in completions[i * k : (i + 1) * k]],
+                    [bool(x) for x in per_problem[i]],
+                )
+                for i in range(len(rows))
+            ]
+            result.maj_at_k = sum(votes) / len(rows)
+    return result

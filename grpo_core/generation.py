@@ -15,6 +15,7 @@ decoded completion contains a stop string (the completing token is kept, as in v
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -77,6 +78,13 @@ def _filter_logits(
     return logits
 
 
+def _keeps_last_logits(model) -> bool:
+    """Whether the model's forward takes transformers' ``logits_to_keep`` (a peft wrapper
+    passes it on to the model it wraps)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+
+
 @torch.no_grad()
 def _generate_batch(
     model: PreTrainedModel,
@@ -102,13 +110,17 @@ def _generate_batch(
 
     out_tokens = torch.full((B, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
     out_logp = torch.zeros((B, params.max_new_tokens), dtype=torch.float32, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
     lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
     stopped = torch.zeros(B, dtype=torch.bool, device=device)
-    seen = None  # [B, V] bool: tokens in prompt or completion (repetition penalty)
     gen: list[list[int]] = [[] for _ in range(B)]  # completions so far (stop strings)
+    # the rows still in the batch (finished ones are dropped, KV cache included): their
+    # index in the micro-batch, whether each has finished, and the tokens each has seen
+    rows = torch.arange(B, device=device)
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    seen = None  # [b, V] bool: tokens in prompt or completion (repetition penalty)
 
     step_ids, step_pos = input_ids, position_ids
+    last_only = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
     for t in range(params.max_new_tokens):
         logits = (
             model(
@@ -117,45 +129,55 @@ def _generate_batch(
                 position_ids=step_pos,
                 past_key_values=cache,
                 use_cache=True,
+                **last_only,  # the prompt's forward: the head on its last position only
             )
             .logits[:, -1, :]
             .float()
-        )  # [B, V]
+        )  # [b, V]
         if params.repetition_penalty != 1.0:
             if seen is None:
                 counts = torch.zeros(logits.shape, dtype=torch.long, device=device)  # [B, V]
                 seen = counts.scatter_add_(1, input_ids, attn[:, :L]) > 0  # prompt, no padding
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         if params.temperature == 0:
-            logprobs = logits.log_softmax(-1)  # [B, V]
-            tok = logits.argmax(-1)  # [B]
+            logprobs = logits.log_softmax(-1)  # [b, V]
+            tok = logits.argmax(-1)  # [b]
         else:
             scaled = _filter_logits(
                 logits / params.temperature, params.top_k, params.top_p, params.min_p
             )
-            logprobs = scaled.log_softmax(-1)  # [B, V]
-            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # [B]
+            logprobs = scaled.log_softmax(-1)  # [b, V]
+            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # [b]
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        out_tokens[:, t] = tok
-        out_logp[:, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+        live = rows[~done]
+        out_tokens[live, t] = tok[~done]
+        out_logp[live, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1)[~done]
         hit_eos = torch.isin(tok, eos) & ~done
         if seen is not None:
             seen.scatter_(1, tok[:, None], (~done)[:, None])
         if stop_hits is not None:
             active = (~done & ~hit_eos).tolist()
-            for i, (a, tk) in enumerate(zip(active, tok.tolist(), strict=True)):
+            for r, a, tk in zip(rows.tolist(), active, tok.tolist(), strict=True):
                 if a:
-                    gen[i].append(tk)
-            hits = stop_hits([g if a else [] for g, a in zip(gen, active, strict=True)])
+                    gen[r].append(tk)
+            hits = stop_hits(
+                [gen[r] if a else [] for r, a in zip(rows.tolist(), active, strict=True)]
+            )
             hit_eos |= torch.tensor(hits, dtype=torch.bool, device=device)
-        lengths = torch.where(hit_eos, torch.full_like(lengths, t + 1), lengths)
-        stopped |= hit_eos
+        lengths[rows[hit_eos]] = t + 1
+        stopped[rows[hit_eos]] = True
         done |= hit_eos
         if bool(done.all()):
             break
-        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)  # [B, L+t+1]
         step_ids = tok[:, None]
         step_pos = step_pos[:, -1:] + 1
+        if int(done.sum()) * 8 >= len(rows):  # an eighth finished: drop them from the batch
+            keep = (~done).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            rows, done, attn = rows[keep], done[keep], attn[keep]
+            step_ids, step_pos = step_ids[keep], step_pos[keep]
+            seen = None if seen is None else seen[keep]
+        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)  # [b, L+t+1]
 
     completions, logps, reasons = [], [], []
     for i in range(B):

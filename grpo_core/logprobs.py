@@ -40,7 +40,7 @@ def _scaled(rows: Tensor, dt: torch.dtype, temperature: float) -> Tensor:
     return z if temperature == 1.0 else z / temperature
 
 
-def _chunk_stats(z: Tensor, labels: Tensor, with_entropy: bool):
+def chunk_stats(z: Tensor, labels: Tensor, with_entropy: bool):
     """Stats of one chunk: ``z[N, V]`` scaled logits, ``labels[N]`` (clamped >= 0)."""
     lse = torch.logsumexp(z, dim=-1)  # [N]
     logp = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse  # [N]
@@ -71,6 +71,20 @@ def _row_blocks(logits: Tensor, chunk: int):
             yield b * T + t, b * T + min(t + chunk, T), logits[b, t : t + chunk]  # [c, V]
 
 
+def chunk_grad(z: Tensor, lse: Tensor, lab: Tensor, g_lp: Tensor, g_h: Tensor | None) -> Tensor:
+    """Gradient ``[c, V]`` w.r.t. the unscaled logits of one chunk: ``z[c, V]`` scaled logits,
+    ``lse[c]`` their logsumexp, ``lab[c]`` labels (clamped), ``g_lp[c]`` / ``g_h[c]`` the
+    upstream gradients of log-prob and entropy, already divided by the temperature."""
+    p = (z - lse.unsqueeze(-1)).exp_()  # [c, V] softmax, recomputed
+    if g_h is None:
+        g = p.mul_(-g_lp.unsqueeze(-1))  # [c, V] = -p * g_lp
+    else:
+        mean_z = torch.einsum("nv,nv->n", p, z).unsqueeze(-1)  # [c, 1]
+        g = (z - mean_z).mul_(-g_h.unsqueeze(-1))  # [c, V]
+        g.sub_(g_lp.unsqueeze(-1)).mul_(p)  # [c, V] = -p (g_lp + g_h (z - E z))
+    return g.scatter_add_(-1, lab.unsqueeze(-1), g_lp.unsqueeze(-1))
+
+
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, temperature, chunk, with_entropy):
@@ -84,7 +98,7 @@ class _TokenLogprobs(torch.autograd.Function):
         ent = torch.zeros(n, dtype=dt, device=logits.device)  # [B*T]
         for lo, hi, rows in _row_blocks(logits, chunk):
             z = _scaled(rows, dt, temperature)  # [c, V] float32 (or float64)
-            lp, ls, h = _chunk_stats(z, lab[lo:hi], with_entropy)
+            lp, ls, h = chunk_stats(z, lab[lo:hi], with_entropy)
             logp[lo:hi] = lp
             lse[lo:hi] = ls
             if h is not None:
@@ -109,14 +123,8 @@ class _TokenLogprobs(torch.autograd.Function):
         grad = torch.empty((B, T, V), dtype=logits.dtype, device=logits.device)  # [B, T, V]
         for lo, hi, rows in _row_blocks(logits, chunk):
             z = _scaled(rows, dt, temp)  # [c, V]
-            p = (z - lse[lo:hi].unsqueeze(-1)).exp_()  # [c, V] softmax, recomputed
-            if g_h is None:
-                g = p.mul_(-g_lp[lo:hi].unsqueeze(-1))  # [c, V] = -p * g_lp
-            else:
-                mean_z = torch.einsum("nv,nv->n", p, z).unsqueeze(-1)  # [c, 1]
-                g = (z - mean_z).mul_(-g_h[lo:hi].unsqueeze(-1))  # [c, V]
-                g.sub_(g_lp[lo:hi].unsqueeze(-1)).mul_(p)  # [c, V] = -p (g_lp + g_h (z - E z))
-            g.scatter_add_(-1, lab[lo:hi].unsqueeze(-1), g_lp[lo:hi].unsqueeze(-1))
+            gh = None if g_h is None else g_h[lo:hi]
+            g = chunk_grad(z, lse[lo:hi], lab[lo:hi], g_lp[lo:hi], gh)  # [c, V]
             grad.view(B * T, V)[lo:hi] = g  # cast to the logits' dtype
         return grad, None, None, None, None
 

@@ -55,8 +55,23 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     disable_dropout: bool = True
     engine_correction: EngineCorrection | None = None
+    max_tokens_per_microbatch: int | None = None  # physical chunks of a micro-batch (memory)
+    lm_head: str = "chunked"  # "chunked": hidden states through the head; "logits": full logits
+    bf16: bool = False  # autocast bf16, float32 master weights and log-probs
+    fp16: bool = False  # autocast fp16 with a GradScaler (CUDA only)
+    # where old log-probs come from when needed: a no-grad forward ("recompute") or the
+    # batch's sampling log-probs ("sampler"; grpo_core.old_logprobs says when that is exact)
+    old_logprobs: str = "recompute"
 
     def __post_init__(self) -> None:
+        if self.old_logprobs not in ("recompute", "sampler"):
+            raise ValueError(
+                f"old_logprobs must be 'recompute' or 'sampler', got {self.old_logprobs!r}"
+            )
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
+            raise ValueError(
+                f"max_tokens_per_microbatch must be >= 1, got {self.max_tokens_per_microbatch}"
+            )
         if self.steps_per_generation % self.gradient_accumulation_steps:
             raise ValueError(
                 f"steps_per_generation ({self.steps_per_generation}) must be a multiple of "

@@ -136,19 +136,25 @@ def agg_dr_grpo(
 
 
 def micro_batch_normaliser(
-    loss_type: str, mask: Tensor, generation_batch_tokens: Tensor | float, accumulation: int
+    loss_type: str,
+    mask: Tensor,
+    generation_batch_tokens: Tensor | float,
+    accumulation: int,
+    micro_batches: int = 1,
 ) -> Tensor | float:
-    """TRL's ``num_items_in_batch`` for one micro-batch (``mask[n, T]``) of a generation batch
-    with ``generation_batch_tokens`` completion tokens, in an optimizer step that accumulates
-    ``accumulation`` micro-batches (TRL ``GRPOTrainer._compute_loss``):
+    """What TRL's ``GRPOTrainer._compute_loss`` (TRL 1.16) divides one micro-batch's loss by
+    (``mask[n, T]``), for a generation batch of ``generation_batch_tokens`` completion tokens
+    split into ``micro_batches`` micro-batches, ``accumulation`` of them per optimizer step:
 
-    - ``dapo``: the generation batch's tokens, whatever the accumulation (so with more optimizer
-      steps than one per generation batch, each step's gradient is a share of the token mean);
+    - ``dapo``: the generation batch's tokens x ``accumulation / micro_batches``, i.e. the
+      tokens of one optimizer step's share of the batch, so each optimizer step is a token mean
+      over its accumulation window (TRL rescales ``num_items_in_batch`` the same way);
     - ``bnpo``: the micro-batch's tokens x ``accumulation``;
     - ``grpo``, ``dr_grpo``: the micro-batch's sequences x ``accumulation``.
     """
     if loss_type == "dapo":
-        return torch.as_tensor(generation_batch_tokens, dtype=mask.dtype).clamp(min=1.0)
+        tokens = torch.as_tensor(generation_batch_tokens, dtype=mask.dtype)
+        return (tokens * accumulation / micro_batches).clamp(min=1.0)
     if loss_type == "bnpo":
         return mask.sum().clamp(min=1.0) * accumulation
     if loss_type in ("grpo", "dr_grpo"):

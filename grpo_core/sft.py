@@ -22,6 +22,9 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
+from grpo_core.model_logprobs import model_logprobs
+from grpo_core.optim import build_optimizer
+from grpo_core.precision import Precision
 from grpo_core.schedule import lr_lambda
 from grpo_core.text import encode_completion, encode_prompt
 from grpo_core.trainer_state import load_weights_, rng_state, set_rng_state
@@ -68,6 +71,57 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
     return ids, attn, labels
 
 
+def row_chunks(attention_mask: torch.Tensor, max_tokens: int | None) -> list[slice]:
+    """Consecutive row ranges of a right-padded batch whose size (rows x longest row among
+    them) is at most ``max_tokens`` (a longer row alone is a chunk by itself)."""
+    n = attention_mask.shape[0]
+    if max_tokens is None:
+        return [slice(0, n)]
+    lengths = attention_mask.sum(-1).tolist()
+    chunks, start, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        if i > start and (i - start + 1) * max(longest, length) > max_tokens:
+            chunks.append(slice(start, i))
+            start, longest = i, 0
+        longest = max(longest, length)
+    chunks.append(slice(start, n))
+    return chunks
+
+
+def sft_loss_backward(
+    model,
+    ids: torch.Tensor,
+    attn: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    max_tokens: int | None = None,
+    lm_head: str = "chunked",
+    precision: Precision | None = None,
+) -> float:
+    """Backward of the mean completion-token cross-entropy of the batch (labels -100 ignored,
+    as ``model(labels=...).loss``), in row chunks of at most ``max_tokens`` padded tokens,
+    each divided by the whole batch's token count: the gradient is the unsplit batch's.
+    Returns the loss."""
+    precision = precision or Precision()
+    targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [n, L] shifted
+    n_tokens = (targets >= 0).sum().clamp(min=1)
+    total = 0.0
+    for rows in row_chunks(attn, max_tokens):
+        width = max(1, int(attn[rows].sum(-1).max()))  # right padding beyond it is dropped
+        with precision.autocast():
+            logp, _ = model_logprobs(
+                model,
+                ids[rows, :width],
+                attn[rows, :width],
+                targets[rows, :width],
+                lm_head=lm_head,
+            )  # [c, width]
+        loss = -logp.sum() / n_tokens
+        precision.backward(loss)
+        total += float(loss.detach())
+    return total
+
+
 SFT_STATE = "sft"  # ``kind`` of an SFT resume checkpoint's trainer state
 
 
@@ -94,8 +148,15 @@ def train_sft(
     resume_key: str = "",
     on_resume: Callable[[int, list[dict]], None] | None = None,
     logger: logging.Logger | logging.LoggerAdapter | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    lm_head: str = "chunked",
+    bf16: bool = False,
+    fp16: bool = False,
+    optim: str = "adamw_torch",
 ) -> SFTResult:
-    """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1].
+    """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1], called
+    every ``eval_every`` steps (with ``target_accuracy``: from ``min_steps`` on, since only
+    those evals can stop training); training stops at the first that reaches the target.
 
     ``checkpoint_every`` K > 0 with ``resume_dir``: every K steps (not the last) the state is
     saved to ``resume_dir`` (a checkpoint directory, replaced atomically); when
@@ -104,6 +165,10 @@ def train_sft(
     another key is ignored. The caller deletes ``resume_dir`` once its output is saved.
     ``logger``: where dev evals, checkpoints and resumes are reported (default: this
     module's logger).
+    ``max_tokens_per_microbatch``: each batch's forward/backward runs in row chunks of at
+    most this many padded tokens (same gradient). ``lm_head``, ``bf16``, ``fp16``: see
+    :func:`grpo_core.model_logprobs.model_logprobs` and :mod:`grpo_core.precision`; ``optim``:
+    :func:`grpo_core.optim.build_optimizer`.
     """
     logger = logger or log
     if not rows:
@@ -111,7 +176,8 @@ def train_sft(
     data = encode_examples(tokenizer, rows)
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+    precision = Precision.for_model(model, bf16=bf16, fp16=fp16, section="sft")
+    opt = build_optimizer(model, optim, lr=learning_rate, weight_decay=weight_decay, section="sft")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, max_steps))
     order: list[int] = []
     history, dev_history = [], []
@@ -142,14 +208,21 @@ def train_sft(
             batch = [data[order.pop()] for _ in range(min(batch_size, len(data)))]
             ids, attn, labels = collate(batch, tokenizer.pad_token_id)
             ids, attn, labels = ids.to(model.device), attn.to(model.device), labels.to(model.device)
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss_val = sft_loss_backward(
+                model,
+                ids,
+                attn,
+                labels,
+                max_tokens=max_tokens_per_microbatch,
+                lm_head=lm_head,
+                precision=precision,
+            )
+            precision.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            opt.step()
+            precision.step(opt)
             sched.step()
             step += 1
-            loss_val = float(loss.detach())
             metrics = {
                 "loss": loss_val,
                 "grad_norm": float(grad_norm),
@@ -158,7 +231,12 @@ def train_sft(
             history.append(metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_val:.3f}")
-            if dev_eval is not None and step % eval_every == 0:
+            # with a target, dev evals start at min_steps: an earlier one cannot stop training
+            if (
+                dev_eval is not None
+                and step % eval_every == 0
+                and (target_accuracy is None or step >= min_steps)
+            ):
                 acc = dev_eval()
                 model.train()
                 dev_history.append({"step": step, "accuracy": acc})

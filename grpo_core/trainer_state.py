@@ -58,9 +58,18 @@ def load_weights_(model: torch.nn.Module, ckpt_dir: str | Path) -> None:
     """Copy a checkpoint's weights into ``model`` in place (tied weights, shards and dtype
     handled by ``from_pretrained``); the model keeps its identity, device and dtype, so an
     optimizer built on its parameters stays valid."""
+    from grpo_core import lora
     from grpo_core.checkpoint import load_checkpoint
 
-    loaded, _ = load_checkpoint(ckpt_dir)
+    if lora.is_peft(model):  # a LoRA policy: its adapter, saved in adapter/
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        saved = load_file(str(Path(ckpt_dir) / lora.ADAPTER_DIR / "adapter_model.safetensors"))
+        with torch.no_grad():
+            set_peft_model_state_dict(model, saved)
+        return
+    loaded, _ = load_checkpoint(ckpt_dir, device="cpu")  # copied into ``model``'s device
     with torch.no_grad():
         model.load_state_dict(loaded.state_dict(), strict=True)
     del loaded

@@ -3,11 +3,16 @@
 Order of the GRPO paper (DeepSeekMath, Alg. 1), for one generation batch:
   1. old log-probs pi_old(o_t) once, without grad, in train mode like the loss's forward
      (skipped when the batch makes a single on-policy optimizer step: then
-     old = current.detach(), no extra forward, as TRL);
+     old = current.detach(), no extra forward, as TRL; or taken from the sampler's stored
+     log-probs with ``old_logprobs="sampler"``, see ``grpo_core.old_logprobs``);
   2. reference log-probs when beta > 0 (no reference model exists otherwise);
   3. ``steps_per_generation`` micro-batches of whole groups, repeated ``num_iterations`` (mu)
      times, each minimising ``grpo_core.losses.policy_loss``, with an optimizer step every
      ``gradient_accumulation_steps`` micro-batches (TRL's meaning of these names).
+Memory: each micro-batch may run in physical chunks of at most ``max_tokens_per_microbatch``
+padded tokens, each divided by the micro-batch's normaliser (the gradient is the unsplit one);
+log-probs come from the hidden states through the LM head in chunks (``grpo_core.lm_head``);
+``bf16``/``fp16`` autocast the forward (``grpo_core.precision``).
 Departures from the paper: advantages come precomputed from the scored Parquet (so an
 offline update can use any scored file); dropout is off by default (``disable_dropout``, TRL's
 option, off by default there), so that pi_old and pi_theta are the same function at step 0.
@@ -16,128 +21,91 @@ option, off by default there), so that pi_old and pi_theta are the same function
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from grpo_core.batch import UpdateBatch, build_batch
+from grpo_core.distributed import DataParallel
 from grpo_core.importance import engine_importance_weights, needs_old_logprobs
-from grpo_core.logprobs import token_logprobs
 from grpo_core.loss_config import UpdateConfig
 from grpo_core.losses import micro_batch_normaliser, policy_loss
-from grpo_core.sampling_filters import mask_truncated_completions, top_entropy_mask
+from grpo_core.model_logprobs import model_logprobs
+from grpo_core.precision import Precision
+from grpo_core.sampling_filters import top_entropy_mask
 
-
-@dataclass
-class UpdateBatch:
-    """Padded tensors of one generation batch. N sequences, prompt width P, completion T."""
-
-    input_ids: Tensor  # [N, P + T] left-padded prompt, right-padded completion
-    attention_mask: Tensor  # [N, P + T]
-    completion_ids: Tensor  # [N, T]
-    completion_mask: Tensor  # [N, T] 1 on real completion tokens
-    advantages: Tensor  # [N]
-    prompt_width: int  # P
-    group_ids: Tensor | None = None  # [N] rows of one prompt's group share an id
-    sampling_logp: Tensor | None = None  # [N, T] rollout engine's log-probs (0 on padding)
-
-    @property
-    def size(self) -> int:
-        return self.input_ids.shape[0]
-
-    def slice(self, idx: Tensor) -> UpdateBatch:
-        return UpdateBatch(
-            self.input_ids[idx],
-            self.attention_mask[idx],
-            self.completion_ids[idx],
-            self.completion_mask[idx],
-            self.advantages[idx],
-            self.prompt_width,
-            None if self.group_ids is None else self.group_ids[idx],
-            None if self.sampling_logp is None else self.sampling_logp[idx],
-        )
-
-    def step_slices(self, steps: int) -> list[Tensor]:
-        """Row indices of ``steps`` micro-batches holding whole groups (as equal as possible)."""
-        gids = self.group_ids if self.group_ids is not None else torch.arange(self.size)
-        groups = torch.unique_consecutive(gids)  # [G] rows must be group-contiguous
-        if len(groups) != len(torch.unique(gids)):
-            raise ValueError(
-                "the rows of a group must be contiguous (the rollout stage writes them so): "
-                "a group split over two optimizer steps would train its rows twice"
-            )
-        if len(groups) < steps:
-            raise ValueError(f"batch of {len(groups)} groups does not split into {steps} steps")
-        if self.group_ids is None and self.size % steps:
-            raise ValueError(f"batch of {self.size} rows does not split into {steps} steps")
-        parts = torch.tensor_split(groups, steps)
-        return [torch.isin(gids, part).nonzero().squeeze(-1) for part in parts]
-
-
-def build_batch(
-    prompt_ids: list[list[int]],
-    completion_ids: list[list[int]],
-    advantages: list[float],
-    pad_id: int,
-    *,
-    truncated: list[bool] | None = None,
-    group_ids: list[int] | None = None,
-    sampling_logprobs: list[list[float]] | None = None,
-) -> UpdateBatch:
-    """Pad rollouts into an :class:`UpdateBatch`. ``truncated`` rows get an all-zero mask
-    (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous."""
-    N = len(prompt_ids)
-    P = max(len(p) for p in prompt_ids)
-    T = max(1, max(len(c) for c in completion_ids))
-    ids = torch.full((N, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((N, P + T), dtype=torch.long)
-    comp_mask = torch.zeros((N, T), dtype=torch.float32)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        ids[i, P - len(p) : P] = torch.tensor(p)
-        attn[i, P - len(p) : P] = 1
-        if c:
-            ids[i, P : P + len(c)] = torch.tensor(c)
-            attn[i, P : P + len(c)] = 1
-            comp_mask[i, : len(c)] = 1.0
-    if truncated is not None:
-        comp_mask = mask_truncated_completions(comp_mask, torch.tensor(truncated, dtype=torch.bool))
-    adv = torch.tensor(advantages, dtype=torch.float32)
-    gids = None if group_ids is None else torch.tensor(group_ids, dtype=torch.long)
-    samp = None
-    if sampling_logprobs is not None:
-        samp = torch.zeros((N, T), dtype=torch.float32)
-        for i, lp in enumerate(sampling_logprobs):
-            samp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
-    return UpdateBatch(ids, attn, ids[:, P:], comp_mask, adv, P, gids, samp)
+__all__ = ["UpdateBatch", "batched_logprobs", "build_batch", "completion_logprobs", "grpo_update"]
 
 
 def completion_logprobs(
-    model, batch: UpdateBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    model,
+    batch: UpdateBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    lm_head: str = "chunked",
 ) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs ``[n, T]`` of the completion tokens (and entropies)."""
+    """Per-token log-probs ``[n, T]`` of the completion tokens (and entropies), 0 on padding.
+
+    Columns that are padding in every row are dropped before the forward; only completion
+    positions go through the LM head (``grpo_core.model_logprobs``)."""
+    T = batch.completion_ids.shape[1]
+    b = batch.trimmed()
+    P, t = b.prompt_width, b.completion_ids.shape[1]
+    if P < 1:
+        raise ValueError(
+            "every prompt needs at least one token (the first completion token's context)"
+        )
     device = model.device
-    attn = batch.attention_mask.to(device)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, P+T]
-    logits = model(
-        input_ids=batch.input_ids.to(device), attention_mask=attn, position_ids=position_ids
-    ).logits  # [n, P+T, V]
-    P = batch.prompt_width
-    logits = logits[:, P - 1 : -1]  # [n, T, V]: position t predicts completion token t
-    return token_logprobs(
-        logits, batch.completion_ids.to(device), temperature=temperature, with_entropy=with_entropy
-    )
+    attn = b.attention_mask.to(device)  # [n, P + t]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, P + t]
+    real = attn[:, P:].bool()  # [n, t]
+    labels = torch.full_like(attn, -100)  # [n, P + t]: position P - 1 + j predicts token j
+    labels[:, P - 1 : P - 1 + t] = torch.where(real, b.completion_ids.to(device), -100)
+    logp, ent = model_logprobs(
+        model,
+        b.input_ids.to(device),
+        attn,
+        labels,
+        position_ids=position_ids,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        lm_head=lm_head,
+    )  # [n, P + t] each
+
+    def completion(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x[:, P - 1 : P - 1 + t], (0, T - t))  # [n, T]
+
+    return completion(logp), None if ent is None else completion(ent)
 
 
 @torch.no_grad()
-def batched_logprobs(model, batch: UpdateBatch, *, temperature: float, chunk: int = 64) -> Tensor:
-    """No-grad log-probs of the whole batch, ``chunk`` sequences at a time, in the model's
-    current train/eval mode (the old log-probs must see the model as the loss does). [N, T]"""
-    out = [
-        completion_logprobs(
-            model, batch.slice(torch.arange(s, min(s + chunk, batch.size))), temperature=temperature
-        )[0]
-        for s in range(0, batch.size, chunk)
-    ]
+def batched_logprobs(
+    model,
+    batch: UpdateBatch,
+    *,
+    temperature: float,
+    chunk: int = 64,
+    max_tokens: int | None = None,
+    lm_head: str = "chunked",
+    precision: Precision | None = None,
+) -> Tensor:
+    """No-grad log-probs ``[N, T]`` of the whole batch, in chunks of at most ``max_tokens``
+    padded tokens (else ``chunk`` sequences), in the model's current train/eval mode (the old
+    log-probs must see the model as the loss does)."""
+    if max_tokens is not None:
+        parts = batch.token_chunks(max_tokens)
+    else:
+        parts = [torch.arange(s, min(s + chunk, batch.size)) for s in range(0, batch.size, chunk)]
+    precision = precision or Precision()
+    out = []
+    for part in parts:
+        with precision.autocast():
+            out.append(
+                completion_logprobs(
+                    model, batch.slice(part), temperature=temperature, lm_head=lm_head
+                )[0]
+            )
     return torch.cat(out, dim=0)
 
 
@@ -169,6 +137,7 @@ def grpo_update(
     *,
     ref_model=None,
     on_step: Callable[[dict], None] | None = None,
+    data_parallel: DataParallel | None = None,
 ) -> list[dict]:
     """Optimizer steps on one generation batch; returns one metrics dict per optimizer step.
 
@@ -178,6 +147,9 @@ def grpo_update(
     ``gradient_accumulation_steps`` micro-batches. Each micro-batch's loss is divided as TRL
     does (:func:`grpo_core.losses.micro_batch_normaliser`). ``config.engine_correction``
     reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``.
+    ``data_parallel``: this rank of N, each holding the whole ``batch`` and a replica of the
+    model; it trains its share of every micro-batch's groups and the N ranks make the update
+    of one process (:mod:`grpo_core.distributed`).
     """
     cfg = config or UpdateConfig()
     loss_cfg = cfg.loss
@@ -188,23 +160,52 @@ def grpo_update(
     n_groups = batch.size if batch.group_ids is None else len(torch.unique(batch.group_ids))
     micro, accumulation = _accumulation_plan(cfg, n_groups)
     slices = batch.step_slices(micro)
+    dp = data_parallel
+    if dp is None:
+        batch_tokens = batch.completion_mask.sum()  # dapo: the generation batch's tokens
+        norms = [
+            micro_batch_normaliser(
+                loss_cfg.loss_type, batch.completion_mask[i], batch_tokens, accumulation, micro
+            )
+            for i in slices
+        ]
+    else:
+        if cfg.top_entropy_quantile < 1.0:
+            raise ValueError("top_entropy_quantile < 1 is not supported with data_parallel")
+        batch, slices = dp.shard(batch, slices)  # this rank's rows only from here on
+        masks = [batch.completion_mask[i] for i in slices]
+        norms = dp.normalisers(loss_cfg.loss_type, masks, accumulation)
     if cfg.disable_dropout:
         disable_dropout(model)
         if ref_model is not None:
             disable_dropout(ref_model)
     device = model.device
+    precision = Precision.for_model(model, bf16=cfg.bf16, fp16=cfg.fp16)
     model.train()  # old log-probs see the model exactly as the loss's forward does
     reuse = needs_old_logprobs(
         cfg.num_iterations, micro // accumulation, cfg.engine_correction is not None
     )
-    temperature = cfg.temperature
-    old_logp = batched_logprobs(model, batch, temperature=temperature) if reuse else None  # [N, T]
+    nograd = dict(
+        temperature=cfg.temperature,
+        max_tokens=cfg.max_tokens_per_microbatch,
+        lm_head=cfg.lm_head,
+        precision=precision,
+    )
+    has_rows = batch.size > 0  # a rank of a data-parallel group may have none
+    old_logp = None  # [N, T]
+    if reuse and has_rows:
+        if cfg.old_logprobs == "sampler":  # the sampler's own log-probs: no forward pass
+            if batch.sampling_logp is None:
+                raise ValueError("old_logprobs='sampler' needs the batch's sampling_logp")
+            old_logp = batch.sampling_logp
+        else:
+            old_logp = batched_logprobs(model, batch, **nograd)
     ref_logp = None
-    if loss_cfg.beta > 0:
+    if loss_cfg.beta > 0 and has_rows:
         ref_model.eval()
-        ref_logp = batched_logprobs(ref_model, batch, temperature=temperature)  # [N, T]
+        ref_logp = batched_logprobs(ref_model, batch, **nograd)  # [N, T]
     is_weights, is_metrics = None, {}
-    if cfg.engine_correction is not None:
+    if cfg.engine_correction is not None and has_rows:
         c = cfg.engine_correction
         is_weights, is_metrics = engine_importance_weights(
             old_logp,
@@ -214,56 +215,132 @@ def grpo_update(
             clip_min=c.clip_min,
             clip_max=c.clip_max,
         )  # [N, T] or [N, 1]
-    batch_tokens = batch.completion_mask.sum()  # dapo's normaliser: the generation batch's tokens
+    if dp is not None and cfg.engine_correction is not None:
+        is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()))
     history: list[dict] = []
     window: list[dict] = []
+    window_tokens: list[float] = []
     optimizer.zero_grad(set_to_none=True)
     for _ in range(cfg.num_iterations):
         for j, idx in enumerate(slices):
-            mb = batch.slice(idx)
-            logp, entropy = completion_logprobs(
-                model, mb, temperature=temperature, with_entropy=True
-            )  # [n, T] each
-            mask = mb.completion_mask.to(device)  # [n, T]
-            token_weights = None
-            if cfg.top_entropy_quantile < 1.0:
-                token_weights = top_entropy_mask(entropy, mask, cfg.top_entropy_quantile).float()
-            loss, metrics = policy_loss(
-                logp,
-                None if old_logp is None else old_logp[idx].to(device),
-                mb.advantages.to(device),
-                mask,
-                loss_cfg,
-                ref_logp=None if ref_logp is None else ref_logp[idx].to(device),
-                num_items_in_batch=micro_batch_normaliser(
-                    loss_cfg.loss_type, mask, batch_tokens, accumulation
-                ),
-                token_weights=token_weights,
-                importance_sampling_ratio=None
-                if is_weights is None
-                else is_weights[idx].to(device),
-            )
-            loss.backward()
-            metrics["loss"] = float(loss.detach())
-            metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
+            metrics = {}
+            if len(idx):
+                metrics = _micro_batch(
+                    model,
+                    batch.slice(idx),
+                    cfg,
+                    precision,
+                    old_logp=_rows(old_logp, idx, device),
+                    ref_logp=_rows(ref_logp, idx, device),
+                    is_weights=_rows(is_weights, idx, device),
+                    norm=norms[j],
+                )
             window.append(metrics)
+            window_tokens.append(float(batch.completion_mask[idx].sum()))
             if (j + 1) % accumulation:
                 continue
+            if dp is not None:
+                dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
+            precision.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
+            precision.step(optimizer)
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step = _window_metrics(window)
+            step = _window_metrics(window) if dp is None else dp.step_metrics(window, window_tokens)
             step.update(is_metrics)
             step["grad_norm"] = float(grad_norm)
             step["learning_rate"] = optimizer.param_groups[0]["lr"]
             history.append(step)
-            window = []
+            window, window_tokens = [], []
             if on_step is not None:
                 on_step(step)
     model.eval()
     return history
+
+
+def _micro_batch(
+    model,
+    mb: UpdateBatch,
+    cfg: UpdateConfig,
+    precision: Precision,
+    *,
+    old_logp: Tensor | None,
+    ref_logp: Tensor | None,
+    is_weights: Tensor | None,
+    norm: Tensor | int,
+) -> dict:
+    """Forward and backward of one logical micro-batch, in physical chunks of at most
+    ``cfg.max_tokens_per_microbatch`` padded tokens. Every chunk's loss is divided by the
+    logical micro-batch's normaliser ``norm``, so the accumulated gradient is the unsplit one; the
+    metrics are those of the whole micro-batch (recomputed from the chunks' detached
+    log-probs when it was split)."""
+    device = model.device
+    mask = mb.completion_mask.to(device)  # [n, T]
+    adv = mb.advantages.to(device)  # [n]
+    norm = norm.to(device) if isinstance(norm, Tensor) else norm
+    parts = [p.to(device) for p in mb.token_chunks(cfg.max_tokens_per_microbatch)]
+    token_weights = None
+    if cfg.top_entropy_quantile < 1.0 and len(parts) > 1:
+        # the quantile is over the whole micro-batch: its entropies first, without grad
+        with torch.no_grad():
+            ents = [_forward(model, mb, p, cfg, precision)[1] for p in parts]
+        token_weights = top_entropy_mask(torch.cat(ents), mask, cfg.top_entropy_quantile).float()
+
+    def part_of(x: Tensor | None, p: Tensor) -> Tensor | None:
+        return None if x is None else x[p]
+
+    logps, entropies = [], []
+    for p in parts:
+        logp, entropy = _forward(model, mb, p, cfg, precision)  # [c, T] each
+        if cfg.top_entropy_quantile < 1.0 and len(parts) == 1:
+            token_weights = top_entropy_mask(entropy, mask, cfg.top_entropy_quantile).float()
+        loss, metrics = policy_loss(
+            logp,
+            part_of(old_logp, p),
+            adv[p],
+            mask[p],
+            cfg.loss,
+            ref_logp=part_of(ref_logp, p),
+            num_items_in_batch=norm,
+            token_weights=part_of(token_weights, p),
+            importance_sampling_ratio=part_of(is_weights, p),
+        )
+        precision.backward(loss)
+        logps.append(logp.detach())
+        entropies.append(entropy.detach())
+    if len(parts) > 1:
+        with torch.no_grad():
+            loss, metrics = policy_loss(
+                torch.cat(logps),
+                old_logp,
+                adv,
+                mask,
+                cfg.loss,
+                ref_logp=ref_logp,
+                num_items_in_batch=norm,
+                token_weights=token_weights,
+                importance_sampling_ratio=is_weights,
+            )
+    entropy = torch.cat(entropies)  # [n, T]
+    metrics["loss"] = float(loss.detach())
+    metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+def _rows(x: Tensor | None, idx: Tensor, device) -> Tensor | None:
+    return None if x is None else x[idx].to(device)
+
+
+def _forward(model, mb: UpdateBatch, rows: Tensor, cfg: UpdateConfig, precision: Precision):
+    with precision.autocast():
+        return completion_logprobs(
+            model,
+            mb.slice(rows.cpu()),
+            temperature=cfg.temperature,
+            with_entropy=True,
+            lm_head=cfg.lm_head,
+        )
 
 
 SUMMED_METRICS = ("loss", "policy_loss")  # parts of one step's objective; the rest are means

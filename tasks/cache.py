@@ -54,12 +54,16 @@ def content_hash(path: str | Path) -> str:
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
+    from tasks import warm  # how policies are loaded (model.dtype, lora, ...): tasks/warm.py
+
+    model = warm.options_key()
     blob = json.dumps(
         {
             "stage": stage,
             "config": config,
             "inputs": [content_hash(p) for p in inputs],
             "code": code_version(),
+            **({"model": model} if model is not None else {}),
         },
         sort_keys=True,
         default=str,

@@ -1,5 +1,6 @@
-"""Evaluation task: greedy pass@1, format rate and length of a checkpoint on held-out rows;
-the per-example table goes to Parquet."""
+"""Evaluation task: pass@1 (greedy, or pass@1/pass@k/maj@k over ``eval.num_samples``
+samples), format rate and length of a checkpoint on held-out rows; the per-sample table goes
+to Parquet."""
 
 from __future__ import annotations
 
@@ -70,13 +71,21 @@ def _evaluate(
             max_new_tokens=cfg.max_completion_length,
             accuracy_reward=cfg.accuracy_reward,
             format_reward=cfg.format_reward,
+            num_samples=cfg.num_samples,
+            temperature=cfg.temperature,
             desc=desc,
             engine=eng,
         )
     if out_table:
         write_parquet(pa.Table.from_pylist(result.table), out_table)
     return EvalOutcome(
-        **result.summary(),
+        accuracy=result.accuracy,
+        format_rate=result.format_rate,
+        mean_length=result.mean_length,
+        num_examples=float(result.num_examples),
+        num_samples=result.num_samples,
+        pass_at_k=result.pass_at_k,
+        maj_at_k=result.maj_at_k,
         wall_time_s=t["seconds"],
         table=out_table,
         policy_id=w.policy_id,

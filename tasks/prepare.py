@@ -8,38 +8,79 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core.checkpoint import policy_id
+from grpo_core.checkpoint import policy_id, resolve_model_path
 from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
+from tasks import warm
 from tasks.common import logger
 from tasks.workspace import Workspace
+
+SPLIT_COLUMNS = {
+    "sft": ("prompt", "completion"),
+    "rl": ("prompt",),
+    "dev": ("prompt",),
+    "eval": ("prompt",),
+}
+
+
+def generated_splits(data: DataConfig, seed: int):
+    """The built-in tasks' splits (``demo``: addition, ``word_problems``), rows in the
+    pipeline's format."""
+    if data.source == "demo":
+        d = data.demo
+        return make_splits(seed, d.digits, d.n_sft, d.n_rl, d.n_dev, d.n_eval)
+    from grpo_core.demo.word_problems import make_splits as word_problem_splits
+
+    return word_problem_splits(seed, **data.word_problems.model_dump())
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
 def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> dict[str, str]:
-    """Returns paths: ``base`` checkpoint and ``sft``/``rl``/``dev``/``eval`` data."""
+    """Returns paths: ``base`` checkpoint and ``sft``/``rl``/``dev``/``eval`` data.
+
+    Generated data is written to the run's ``data/`` folder. A user's JSONL, JSON or Parquet
+    file is used where it is when it already has the pipeline's columns; mapped rows (a column
+    mapping, template, preset or system prompt), CSV files and ``datasets`` folders are
+    written to ``data/<split>.jsonl`` instead."""
     log = logger(__name__)
+    warm.configure(model)  # how this process loads policies (dtype, LoRA, ...)
     out: dict[str, str] = {}
-    if data.source == "demo":
-        d = data.demo
-        splits = make_splits(seed, d.digits, d.n_sft, d.n_rl, d.n_dev, d.n_eval)
+    mapping = data.mapping()
+    if data.source in ("demo", "word_problems"):
+        splits = generated_splits(data, seed)
         for name in ("sft", "rl", "dev", "eval"):
             rows = getattr(splits, name)
             if rows:
+                rows = mapping.apply(rows, f"{data.source} {name} split", sft=name == "sft")
                 out[name] = str(write_jsonl(rows, ws.data(name)))
         log.info(
-            "demo data: %s", {k: len(getattr(splits, k)) for k in ("sft", "rl", "dev", "eval")}
+            "%s data: %s",
+            data.source,
+            {k: len(getattr(splits, k)) for k in ("sft", "rl", "dev", "eval")},
         )
     else:
-        for name, path, cols in (
-            ("sft", data.sft_path, ("prompt", "completion")),
-            ("rl", data.rl_path, ("prompt",)),
-            ("eval", data.eval_path, ("prompt",)),
+        for name, path in (
+            ("sft", data.sft_path),
+            ("rl", data.rl_path),
+            ("dev", data.dev_path),
+            ("eval", data.eval_path),
         ):
-            load_rows(path, required=cols)  # fail early, naming file and row
-            out[name] = str(Path(path).resolve())
+            if path is None:
+                continue
+            # fail early, naming file and row
+            rows = load_rows(
+                path,
+                required=SPLIT_COLUMNS[name],
+                max_prompt_chars=data.max_prompt_chars,
+                mapping=mapping,
+            )
+            as_is = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
+            if mapping.identity and as_is:
+                out[name] = str(Path(path).resolve())
+            else:  # mapped rows, or a datasets folder / CSV: one JSONL file the stages hash
+                out[name] = str(write_jsonl(rows, ws.data(name)))
     if model.source == "demo":
         base = ws.checkpoint("base")
         if not (base / "config.json").exists():
@@ -48,6 +89,6 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
             save_base_model(base, seed=seed, **model.demo.model_dump())
         out["base"] = str(base)
     else:
-        out["base"] = str(Path(model.path).resolve())
+        out["base"] = str(resolve_model_path(model.path))  # a directory or a cached hub id
     log.info("base model %s (policy %s)", out["base"], policy_id(out["base"]))
     return out

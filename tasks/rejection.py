@@ -19,7 +19,7 @@ from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
 from tasks.common import logger
 from tasks.results import RejectionResult
-from tasks.rollout import HF_ENGINE, sample_rollouts, select_prompts
+from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
 from tasks.score import score_file
 from tasks.tracking import Tracking
 from tasks.workspace import SamplingDir
@@ -39,6 +39,9 @@ def rejection_sampling(
 ) -> RejectionResult:
     engine = engine or HF_ENGINE
     settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
+    shards = rollout_shards(cfg.num_prompts)
+    if shards > 1:  # replicas sample their shards with their own seeds (cluster/)
+        settings["rollout_shards"] = shards
     run_id = tracking.start_child(
         "rejection_sampling",
         {"init_checkpoint": checkpoint, "policy_id": policy_id(checkpoint)},
@@ -61,8 +64,70 @@ def rejection_sampling(
     tracking.log_metrics(run_id, out.metrics)
     tracking.log_artifact(run_id, sft_path)
     tracking.set_tags(run_id, {"cache_key": key, "cached": str(out.cached).lower()})
+    per_prompt = acceptance_by_prompt(files, cfg)
+    tracking.log_table(run_id, per_prompt, "acceptance_by_prompt.json")
+    publish_rejection_artifact(out.metrics, per_prompt, tracking.run_url(run_id))
     tracking.end(run_id)
     return dataclasses.replace(out, run_id=run_id)
+
+
+def acceptance_by_prompt(files: SamplingDir, cfg: RejectionConfig) -> list[dict]:
+    """Per prompt: completions sampled, kept and the acceptance rate (the selection is
+    recomputed from the scored file: it is a pure function of its rows and the settings)."""
+    rows = read_scored(files.scored).to_pylist()
+    kept = select_completions(
+        rows,
+        min_reward=cfg.min_reward,
+        max_per_prompt=cfg.max_per_prompt,
+        require={k: 1.0 for k in cfg.require},
+    )
+    stats: dict[str, dict] = {}
+    for r in rows:
+        s = stats.setdefault(
+            r["prompt_id"], {"prompt": r["prompt_text"], "sampled": 0, "kept": 0, "rewards": []}
+        )
+        s["sampled"] += 1
+        s["rewards"].append(r["reward"] if r["reward"] is not None else 0.0)
+    for r in kept:
+        stats[r["prompt_id"]]["kept"] += 1
+    return [
+        {
+            "prompt_id": pid,
+            "prompt": s["prompt"],
+            "sampled": s["sampled"],
+            "kept": s["kept"],
+            "acceptance_rate": s["kept"] / s["sampled"],
+            "mean_reward": sum(s["rewards"]) / len(s["rewards"]),
+        }
+        for pid, s in stats.items()
+    ]
+
+
+def publish_rejection_artifact(metrics: dict, per_prompt: list[dict], run_url: str | None) -> None:
+    """The Prefect artifact of rejection sampling (key ``rejection-sampling``): kept /
+    sampled, and the acceptance of each prompt (a table artifact, ``...-by-prompt``)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    link = f"[MLflow run]({run_url})" if run_url else "MLflow run: see the tracking store"
+    md = (
+        f"## rejection_sampling\n\nKept **{int(metrics['kept'])}** of "
+        f"**{int(metrics['sampled'])}** completions ({100 * metrics['acceptance_rate']:.1f}%) "
+        f"over {int(metrics.get('prompts_covered', 0))} of {len(per_prompt)} prompts; mean "
+        f"reward {metrics.get('reward', float('nan')):.3f}. {link}\n\n"
+        "Per-prompt acceptance: artifact `rejection-sampling-by-prompt`."
+    )
+    create_markdown_artifact(
+        key="rejection-sampling", markdown=md, description="rejection sampling: kept / sampled"
+    )
+    table = [
+        {**r, "prompt": r["prompt"][-120:], "acceptance_rate": round(r["acceptance_rate"], 3)}
+        for r in per_prompt
+    ]
+    create_table_artifact(
+        key="rejection-sampling-by-prompt",
+        table=[{k: v for k, v in r.items() if k != "prompt_id"} for r in table],
+        description="rejection sampling: acceptance per prompt",
+    )
 
 
 def _sample_and_filter(

@@ -35,6 +35,7 @@ class UpdateResult:
     global_step: int  # optimizer steps so far in the stage
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per step
     seconds: float = 0.0  # wall time of the optimizer steps
+    peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the update
     cached: bool = False
 
 
@@ -47,6 +48,7 @@ class SFTResult:
     wall_time_s: float  # wall time of the training loop
     train_examples: int  # rows in the SFT data file
     policy_id: str  # weights hash of ``checkpoint``
+    peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the training loop
     run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
     cached: bool = False
 
@@ -56,7 +58,7 @@ class EvalOutcome:
     """A checkpoint's held-out greedy evaluation (``grpo_core.evaluation.EvalResult.summary``
     plus where it came from); named apart from that class, which holds the whole table."""
 
-    accuracy: float  # pass@1: mean of the accuracy reward
+    accuracy: float  # pass@1: share of completions with full accuracy reward (all tests pass)
     format_rate: float  # mean of the format reward
     mean_length: float  # mean completion length in tokens
     num_examples: float  # rows evaluated (a float, as in EvalResult.summary)
@@ -65,14 +67,23 @@ class EvalOutcome:
     policy_id: str  # weights hash of the evaluated checkpoint
     samples: list[dict[str, Any]] = field(default_factory=list)  # first rows of the table
     cached: bool = False
+    num_samples: int = 1  # k completions per problem (eval.num_samples); 1: greedy
+    pass_at_k: float | None = None  # k > 1: Chen et al.'s unbiased pass@k
+    maj_at_k: float | None = None  # k > 1: majority vote of extracted answers (None for code)
 
     def summary_metrics(self) -> dict[str, float]:
-        """The three held-out numbers logged per stage (accuracy, format_rate, mean_length)."""
-        return {
+        """The held-out numbers logged per stage (accuracy, format_rate, mean_length; with
+        eval.num_samples > 1 also pass_at_k and maj_at_k when there is one)."""
+        out = {
             "accuracy": self.accuracy,
             "format_rate": self.format_rate,
             "mean_length": self.mean_length,
         }
+        if self.num_samples > 1:
+            out["pass_at_k"] = self.pass_at_k
+            if self.maj_at_k is not None:
+                out["maj_at_k"] = self.maj_at_k
+        return out
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,7 @@
-"""Rollout task: sample ``num_generations`` completions per prompt, write rollouts Parquet."""
+"""Rollout task: sample ``num_generations`` completions per prompt, write rollouts Parquet.
+
+With ``cluster.backend: ray`` the prompts are sharded over the rollout replicas
+(``cluster/rollout_workers.py``) and gathered back into the same file."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import zlib
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import runtime
 from grpo_core.config import RLConfig
 from grpo_core.data import load_rows
 from grpo_core.io import write_parquet
@@ -79,24 +83,48 @@ def sample_rollouts(
         max_new_tokens=max_completion_length,
         seed=seed,
     )
-    eng = warm.ENGINES.get(
-        engine,
-        checkpoint=w.checkpoint,
-        policy_id=w.policy_id,
-        model=w.model,
-        tokenizer=tok,
-        opts=engine_options,
-        check_sync=check_sync,
-    )
-    with timer() as t:
-        samples = eng.generate(prompt_ids, params, desc=desc)
-    eng.sleep()  # frees accelerator memory for the update where the engine supports it
+    cluster = runtime.current()
+    if cluster.uses_ray:  # sharded over the rollout replicas (cluster/rollout_workers.py)
+        from cluster import rollout_workers
+
+        with timer() as t:
+            samples = rollout_workers.sample(
+                cluster,
+                prompt_ids,
+                params,
+                checkpoint=str(w.checkpoint),
+                policy_id=w.policy_id,
+                model=w.model,
+                tokenizer=tok,
+                engine=engine,
+                engine_options=engine_options,
+                load_options=_replica_load_options(),
+                check_sync=check_sync,
+                desc=desc,
+            )
+    else:
+        eng = warm.ENGINES.get(
+            engine,
+            checkpoint=w.checkpoint,
+            policy_id=w.policy_id,
+            model=w.model,
+            tokenizer=tok,
+            opts=engine_options,
+            check_sync=check_sync,
+        )
+        with timer() as t:
+            samples = eng.generate(prompt_ids, params, desc=desc)
+        eng.sleep()  # frees accelerator memory for the update where the engine supports it
     meta = {
         "model": str(policy_checkpoint),
         "engine": engine,
         "engine_options": engine_options or {},
         "sampling": params.__dict__,
     }
+    if cluster.uses_ray:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
+        meta["rollout_shards"] = rollout_shards(len(rows))
+    if engine == "hf":  # the warm policy samples: its dtype (grpo_core/old_logprobs.py)
+        meta["dtype"] = str(next(w.model.parameters()).dtype).removeprefix("torch.")
     table = rollout_table(
         rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
     )
@@ -113,6 +141,23 @@ def sample_rollouts(
         "rollout/tokens_per_s": n_tokens / max(t["seconds"], 1e-9),
     }
     return RolloutResult(out_path, metrics)
+
+
+def _replica_load_options() -> dict:
+    """How the rollout replicas load a checkpoint: as this process loads its policies."""
+    m = warm.options()
+    return {
+        "dtype": m.dtype,
+        "attn_implementation": m.attn_implementation,
+        "load_in_4bit": m.load_in_4bit,
+    }
+
+
+def rollout_shards(n_prompts: int) -> int:
+    """How many replicas share an iteration's prompts (1: the local engine, or one replica,
+    which samples what the local engine samples)."""
+    cluster = runtime.current()
+    return min(cluster.rollout.workers, n_prompts) if cluster.uses_ray else 1
 
 
 HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default engine spec
@@ -133,11 +178,12 @@ def rollout(
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
     engine = engine or HF_ENGINE
     knobs = {k: getattr(rl, k) for k in ROLLOUT_KNOBS}
-    key = stage_key(
-        "rollout",
-        {**knobs, "iteration": iteration, "seed": seed, "stage": stage, "engine": engine["name"]},
-        [policy_checkpoint, rl_path],
-    )
+    params = {**knobs, "iteration": iteration, "seed": seed, "stage": stage}
+    params["engine"] = engine["name"]
+    shards = rollout_shards(rl.prompts_per_iteration)
+    if shards > 1:  # each shard samples with its own seed: another sample than one process's
+        params["rollout_shards"] = shards
+    key = stage_key("rollout", params, [policy_checkpoint, rl_path])
     return cached(
         f"{stage} iteration {iteration} rollout",
         out_path,

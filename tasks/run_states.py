@@ -89,6 +89,42 @@ def open_runs() -> dict[str, OpenRun]:
         return dict(_open_runs)
 
 
+SYSTEM_METRICS_INTERVAL_ENV = "GRPO_SYSTEM_METRICS_INTERVAL"  # seconds between samples
+_monitors: dict[str, object] = {}  # run id -> mlflow SystemMetricsMonitor
+
+
+def start_system_metrics(run_id: str, uri: str) -> None:
+    """Record CPU, memory, disk, network (and GPU, with pynvml) as ``system/*`` metrics of
+    ``run_id`` from a background thread, until :func:`stop_system_metrics`. Needs psutil;
+    ``GRPO_SYSTEM_METRICS_INTERVAL=0`` turns it off."""
+    interval = float(os.environ.get(SYSTEM_METRICS_INTERVAL_ENV, "5"))
+    if interval <= 0:
+        return
+    import logging
+
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
+    monitor = SystemMetricsMonitor(run_id, sampling_interval=interval, tracking_uri=uri)
+    monitor.start()
+    with _open_guard:
+        _monitors[run_id] = monitor
+
+
+def stop_system_metrics(run_id: str) -> None:
+    """Stop ``run_id``'s monitor (if any) after one last sample, so a stage shorter than the
+    sampling interval still has its point."""
+    with _open_guard:
+        monitor = _monitors.pop(run_id, None)
+    if monitor is None:
+        return
+    monitor.finish()
+    with contextlib.suppress(Exception):
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+
+
 def end_open_runs(status: str, *, flow_run: str | None = None) -> list[str]:
     """End the runs this process left open with ``status`` (``KILLED`` or ``FAILED``), the
     innermost first: all of them, or those of the parent runs that Prefect flow run
@@ -100,6 +136,11 @@ def end_open_runs(status: str, *, flow_run: str | None = None) -> list[str]:
         for run_id, _ in chosen:
             del _open_runs[run_id]
     for run_id, run in reversed(chosen):
+        with contextlib.suppress(Exception):
+            with _open_guard:
+                monitor = _monitors.pop(run_id, None)
+            if monitor is not None:
+                monitor.finish()
         with contextlib.suppress(Exception):
             Shielded(MlflowClient(tracking_uri=run.uri)).set_terminated(run_id, status)
     return [run_id for run_id, _ in chosen]

@@ -4,15 +4,19 @@ The rollout file is read, never rewritten. A reward function that fails is recor
 row (``error_<fn>``) and scoring goes on, unless it failed on (at least
 ``rl.rewards_max_error_rate`` of) every row: then the stage stops with the function's first
 error and no scored file is written (a run whose rewards all failed is not a success).
+With ``cluster.backend: ray`` the reward functions run as Ray tasks over shards of whole
+groups (``cluster/scoring.py``); the scored file is the same.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import runtime
 from grpo_core import rewards
 from grpo_core.config import RLConfig
 from grpo_core.errors import UserError
@@ -55,29 +59,43 @@ def score_file(
     import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core import advantages
-    from grpo_core.rewards.length import soft_overlong_penalty
     from grpo_core.rewards.scoring import reward_matrix
 
-    # code rewards: bound to the sandbox isolation (None: sandbox.isolation / auto), which is
-    # resolved now, so a machine that cannot isolate stops here (SandboxUnavailable)
-    functions, all_weights = rewards.sandboxed(weights, sandbox_isolation), dict(weights)
+    build = functools.partial(
+        reward_functions,
+        weights,
+        sandbox_isolation,
+        overlong_buffer_length,
+        max_completion_length,
+        overlong_penalty_factor,
+    )
+    functions, all_weights = build(), dict(weights)
     if overlong_buffer_length:
-        if OVERLONG in weights:
-            raise ValueError(
-                f"rewards: {OVERLONG!r} is the name of rl.overlong_buffer_length's penalty; "
-                "rename your reward function"
-            )
-        functions[OVERLONG] = soft_overlong_penalty(max_completion_length, overlong_buffer_length)
         all_weights[OVERLONG] = overlong_penalty_factor
     with timer() as t:
         table = read_rollouts(rollouts_path)
         cols = table.to_pydict()
         extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
-        result = rewards.score_completions(
-            cols["prompt"], cols["completion"], extra, all_weights, functions=functions
-        )
+        gid_list = group_ids(table, rollouts_path)
+        cluster = runtime.current()
+        if cluster.uses_ray:  # Ray tasks over shards of whole groups (cluster/scoring.py)
+            from cluster.scoring import score_sharded
+
+            result = score_sharded(
+                cluster,
+                cols["prompt"],
+                cols["completion"],
+                extra,
+                all_weights,
+                group_ids=gid_list,
+                build=build,
+            )
+        else:
+            result = rewards.score_completions(
+                cols["prompt"], cols["completion"], extra, all_weights, functions=functions
+            )
         check_reward_failures(result, max_error_rate, label or rollouts_path)
-        gids = torch.tensor(group_ids(table, rollouts_path))  # [N]
+        gids = torch.tensor(gid_list)  # [N]
         matrix, w = reward_matrix(result.per_function, result.weights, table.num_rows)  # [N, K]
         adv = advantages.compute_multi(
             matrix,
@@ -114,6 +132,30 @@ def score_file(
     if n_err:
         logger(__name__).warning("%s: %d reward errors (see error_<fn> columns)", out_path, n_err)
     return ScoreResult(out_path, metrics)
+
+
+def reward_functions(
+    weights: dict[str, float],
+    sandbox_isolation: str | None,
+    overlong_buffer_length: int | None,
+    max_completion_length: int | None,
+    overlong_penalty_factor: float,
+) -> dict:
+    """The functions ``score_completions`` takes besides the registry's: the code rewards
+    bound to the sandbox isolation (None: sandbox.isolation / auto), which is resolved now,
+    so a machine that cannot isolate stops here (SandboxUnavailable), and DAPO's soft
+    overlong penalty under ``OVERLONG`` when ``overlong_buffer_length`` is set."""
+    from grpo_core.rewards.length import soft_overlong_penalty
+
+    functions = rewards.sandboxed(weights, sandbox_isolation)
+    if overlong_buffer_length:
+        if OVERLONG in weights:
+            raise ValueError(
+                f"rewards: {OVERLONG!r} is the name of rl.overlong_buffer_length's penalty; "
+                "rename your reward function"
+            )
+        functions[OVERLONG] = soft_overlong_penalty(max_completion_length, overlong_buffer_length)
+    return functions
 
 
 def check_reward_failures(result, max_error_rate: float, label: str) -> None:

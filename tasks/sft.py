@@ -46,11 +46,12 @@ def train_stage(
     (``Workspace.resume_checkpoint``) and a run with the same ``resume_key`` resumes from it.
     """
     from grpo_core.evaluation import evaluate  # torch: only when the stage really trains
+    from grpo_core.memory import PeakMemory
     from grpo_core.sft import train_sft
 
     log = logger(__name__)
     rows = load_rows(data_path, required=("prompt", "completion"))
-    w = warm.get(init_checkpoint, mutate=True)
+    w = warm.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
@@ -66,7 +67,7 @@ def train_stage(
             desc=f"{stage} dev",
         ).accuracy
 
-    with timer() as t:
+    with timer() as t, PeakMemory(w.model.device) as mem:
         result = train_sft(
             w.model,
             w.tokenizer,
@@ -89,20 +90,31 @@ def train_stage(
             resume_key=resume_key,
             on_resume=on_resume,
             logger=log,
+            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
+            lm_head=cfg.lm_head,
+            bf16=cfg.bf16,
+            fp16=cfg.fp16,
+            optim=cfg.optim,
         )
     save_checkpoint(
         w.model,
         w.tokenizer,
         out_checkpoint,
-        info={"stage": stage, "steps": result.steps, "resumed_from": result.resumed_from},
+        info={
+            "stage": stage,
+            "steps": result.steps,
+            "resumed_from": result.resumed_from,
+            **warm.lora_info(w),
+        },
     )
     warm.put(out_checkpoint, w)
     log.info(
-        "%s: %d steps in %.1fs, final loss %.4f%s",
+        "%s: %d steps in %.1fs, final loss %.4f, peak memory %.2f GiB%s",
         stage,
         result.steps,
         t["seconds"],
         result.final_loss,
+        mem.gib,
         " (dev target reached)" if result.stopped_early else "",
     )
     return SFTResult(
@@ -113,6 +125,7 @@ def train_stage(
         wall_time_s=t["seconds"],
         train_examples=len(rows),
         policy_id=w.policy_id,
+        peak_memory_gib=mem.gib,
     )
 
 
@@ -187,6 +200,7 @@ def sft_stage(
         "stopped_early": float(out.stopped_early),
         "wall_time_s": out.wall_time_s,
         "train_examples": out.train_examples,
+        "peak_memory_gib": out.peak_memory_gib,
     }
     tracking.log_metrics(run_id, summary, out.steps)
     tracking.set_tags(

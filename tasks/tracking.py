@@ -43,6 +43,8 @@ from tasks.run_states import (
     opened,
     pid_alive,
     process_tags,
+    start_system_metrics,
+    stop_system_metrics,
 )
 
 
@@ -68,16 +70,50 @@ def git_commit() -> str:
         return "unknown"
 
 
+# MLflow 3 opens an experiment tagged so on its runs table ("Model training"), not on the
+# GenAI traces view (the UI's ExperimentKind.CUSTOM_MODEL_DEVELOPMENT).
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+SOURCE_NAME = "grpo-pipeline"  # the runs' "Source" column, with the git commit
+
+
+def source_tags() -> dict[str, str]:
+    """MLflow's standard source tags: what the UI shows in the "Source" column."""
+    tags = {"mlflow.source.name": SOURCE_NAME, "mlflow.source.type": "LOCAL"}
+    if git_commit() != "unknown":
+        tags["mlflow.source.git.commit"] = git_commit()
+    return tags
+
+
+TRACKING_ENV = "MLFLOW_TRACKING_URI"
+
+
+def _set_global_uri(uri: str) -> None:
+    """Point mlflow's fluent API (system metrics, ``log_table``) at ``uri`` without
+    ``MLFLOW_TRACKING_URI`` changing: ``mlflow.set_tracking_uri`` also writes that variable,
+    which would make it the choice of every later run in this process (a ``grpo serve``
+    worker, a notebook), ahead of their own default (flows/config.py)."""
+    before = os.environ.get(TRACKING_ENV)
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop(TRACKING_ENV, None)
+    else:
+        os.environ[TRACKING_ENV] = before
+
+
 @dataclass(frozen=True)
 class Tracking:
     """Where to log: tracking URI, experiment and the pipeline's parent run (plain strings,
-    so it can be passed to Prefect tasks)."""
+    so it can be passed to Prefect tasks). ``run_name`` (the pipeline's) prefixes every
+    child run's name: ``demo/rl_1``. Stages named in ``system_metrics`` record CPU, memory
+    (and GPU, with pynvml) as ``system/*`` metrics while their run is open."""
 
     uri: str
     experiment_id: str
     parent_run_id: str | None = None
     # tags every run of this pipeline gets: the process and workspace that started it
     run_tags: tuple[tuple[str, str], ...] = ()
+    run_name: str = ""
+    system_metrics: tuple[str, ...] = ()
 
     @property
     def client(self) -> MlflowClient:
@@ -85,13 +121,18 @@ class Tracking:
 
     @classmethod
     def open(cls, uri: str, experiment: str) -> Tracking:
-        mlflow.set_tracking_uri(uri)
+        _set_global_uri(uri)
         # the first open of a sqlite store creates its schema: one process at a time, and
         # not cut short by Ctrl-C (a half-done migration leaves the store unusable)
         with store_lock(uri), store_call(uri):
             client = MlflowClient(tracking_uri=uri)
             exp = client.get_experiment_by_name(experiment)
-            exp_id = exp.experiment_id if exp else client.create_experiment(experiment)
+            if exp is None:
+                exp_id = client.create_experiment(experiment, tags=dict([EXPERIMENT_KIND]))
+            else:
+                exp_id = exp.experiment_id
+                if exp.tags.get(EXPERIMENT_KIND[0]) != EXPERIMENT_KIND[1]:
+                    client.set_experiment_tag(exp_id, *EXPERIMENT_KIND)
         return cls(uri, exp_id)
 
     def start_parent(
@@ -101,6 +142,7 @@ class Tracking:
         *,
         params: dict | None = None,
         workspace: str | Path | None = None,
+        system_metrics: tuple[str, ...] = (),
     ) -> Tracking:
         """The pipeline's parent run, with ``params`` logged.
 
@@ -110,7 +152,7 @@ class Tracking:
         the same ``params``, that run is continued (status RUNNING again, tag
         ``grpo.resumes`` counts the resumes) instead of starting a new one; with other params a
         new parent is tagged ``resumed_from`` with the previous one's id."""
-        all_tags = {"git_commit": git_commit(), **tags}
+        all_tags = {**source_tags(), **tags}
         run_tags = process_tags(workspace) if workspace is not None else {}
         all_tags.update(run_tags)
         if params is not None:
@@ -141,7 +183,14 @@ class Tracking:
             self.log_metric_batch(run_id, [], {**all_tags, RESUMES: str(resumes)})
         elif params is not None:
             self.log_params(run_id, params)
-        return Tracking(self.uri, self.experiment_id, run_id, tuple(run_tags.items()))
+        return Tracking(
+            self.uri,
+            self.experiment_id,
+            run_id,
+            tuple(run_tags.items()),
+            run_name,
+            tuple(system_metrics),
+        )
 
     def end_dead_runs(self, workspace: str | Path) -> list[str]:
         """End KILLED every RUNNING run, started on this host, of ``workspace`` (whose lock
@@ -193,9 +242,10 @@ class Tracking:
         parent_run_id: str | None = None,
         run_name: str | None = None,
     ) -> str:
-        """A run nested under the pipeline's parent run (or under ``parent_run_id``), tagged
-        with its ``stage``, ``git_commit`` and, given its ``config``, ``config_hash``."""
-        all_tags = {"stage": stage, "git_commit": git_commit(), **dict(self.run_tags)}
+        """A run nested under the pipeline's parent run (or under ``parent_run_id``), named
+        ``<pipeline run name>/<stage>`` (or ``run_name``), tagged with its ``stage``, MLflow's
+        source tags and, given its ``config``, ``config_hash``."""
+        all_tags = {"stage": stage, **source_tags(), **dict(self.run_tags)}
         all_tags.update(tags or {})
         if config is not None:
             all_tags["config_hash"] = config_hash(config)
@@ -204,10 +254,42 @@ class Tracking:
             all_tags["mlflow.parentRunId"] = parent
         with store_call(self.uri):  # created and known as open, or neither
             run = self.client.create_run(
-                self.experiment_id, run_name=run_name or stage, tags=all_tags
+                self.experiment_id, run_name=run_name or self.child_name(stage), tags=all_tags
             )
             opened(run.info.run_id, self.uri, self.parent_run_id or parent, stage)
+        if stage in self.system_metrics and parent_run_id is None:
+            start_system_metrics(run.info.run_id, self.uri)
         return run.info.run_id
+
+    def child_name(self, name: str) -> str:
+        """``<pipeline run name>/<name>``: which pipeline a run belongs to, at a glance."""
+        return f"{self.run_name}/{name}" if self.run_name else name
+
+    def experiment_url(self) -> str | None:
+        """The experiment's page in the MLflow UI (tracking servers only)."""
+        if not self.uri.startswith(("http://", "https://")):
+            return None
+        return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}"
+
+    def run_url(self, run_id: str) -> str | None:
+        """The run's page in the MLflow UI: ``#/experiments/<experiment id>/runs/<run id>``."""
+        base = self.experiment_url()
+        return f"{base}/runs/{run_id}" if base else None
+
+    def log_table(self, run_id: str, rows: list[dict], name: str) -> None:
+        """``rows`` as an MLflow table artifact ``name`` (``.json``): the UI pages through it
+        (artifact view, and the evaluation view's table). Values that are not plain scalars
+        (chat messages, lists) become JSON text."""
+        if not rows:
+            return
+        columns: dict[str, list] = {k: [] for k in rows[0]}
+        for row in rows:
+            for k in columns:
+                v = row.get(k)
+                if not (v is None or isinstance(v, str | int | float | bool)):
+                    v = json.dumps(v, default=str)
+                columns[k].append(v)
+        self.client.log_table(run_id, columns, name)
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         self.log_metric_batch(run_id, metric_batch(metrics, step))
@@ -249,6 +331,7 @@ class Tracking:
         self.log_text(run_id, json.dumps(obj, indent=2, default=str), name)
 
     def end(self, run_id: str, status: str = "FINISHED") -> None:
+        stop_system_metrics(run_id)
         with store_call(self.uri):
             self.client.set_terminated(run_id, status)
             closed(run_id)

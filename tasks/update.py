@@ -1,9 +1,12 @@
 """Update task: a scored Parquet (this run's, an older run's, anyone's) -> GRPO optimizer
-steps on the policy -> a new checkpoint. Old and reference log-probs are recomputed from
-the token ids in the file, so any scored file with the contract's columns will do."""
+steps on the policy -> a new checkpoint. Reference log-probs are recomputed from the token ids
+in the file, so any scored file with the contract's columns will do; old log-probs too, unless
+the file's own sampling log-probs are the same numbers (``rl.old_logprobs``,
+grpo_core/old_logprobs.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from prefect import task
@@ -11,7 +14,8 @@ from prefect.cache_policies import NO_CACHE
 
 from grpo_core.checkpoint import policy_id, save_checkpoint
 from grpo_core.config import RLConfig
-from grpo_core.rollouts import group_ids, read_scored
+from grpo_core.old_logprobs import old_logprobs_source
+from grpo_core.rollouts import group_ids, read_metadata_of, read_scored
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
@@ -31,6 +35,7 @@ def update_from_file(
     stage: str = "offline",
     init_checkpoint: str | None = None,
     seed: int = 0,
+    data_parallel=None,
 ) -> UpdateResult:
     """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
     with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
@@ -39,9 +44,15 @@ def update_from_file(
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
     0 it is fresh, later it is the state saved with ``policy_checkpoint`` by this stage.
+
+    ``data_parallel`` (a ``grpo_core.distributed.DataParallel``): this is one rank of N that
+    run the same call (``flows/ddp_update.py``); the update is the one-process update and
+    rank 0 alone writes the checkpoint.
     """
     import torch  # here, not at the top: a cached rerun never loads torch
 
+    from grpo_core.memory import PeakMemory
+    from grpo_core.optim import build_optimizer
     from grpo_core.sampling_filters import dynamic_sampling_mask
     from grpo_core.schedule import lr_lambda
     from grpo_core.trainer_state import rng_state, set_rng_state
@@ -60,10 +71,13 @@ def update_from_file(
         )
         keep = informative.nonzero().squeeze(-1).tolist()
         extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
-    w = warm.get(policy_checkpoint, mutate=True)
-    tok = w.tokenizer
-    total = total_steps or (global_step + rl.optimizer_steps_per_generation * rl.num_iterations)
     init = init_checkpoint or reference_checkpoint or policy_checkpoint
+    w = warm.get(policy_checkpoint, mutate=True, lora_base=init)
+    tok = w.tokenizer
+    dp = data_parallel
+    if dp is not None:
+        dp.broadcast_parameters(w.model)  # replicas start from rank 0's weights
+    total = total_steps or (global_step + rl.optimizer_steps_per_generation * rl.num_iterations)
     key = {
         "stage": stage,
         "init_policy_id": policy_id(init),
@@ -72,20 +86,24 @@ def update_from_file(
         "warmup_steps": rl.warmup_steps,
         "lr_scheduler_type": rl.lr_scheduler_type,
         "total_steps": total,
+        # the default is left out so that trainer states saved before the choice existed match
+        **({"optim": rl.optim} if rl.optim != "adamw_torch" else {}),
     }
 
     def build(model):
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=rl.learning_rate, weight_decay=rl.weight_decay
-        )
+        opt = build_optimizer(model, rl.optim, lr=rl.learning_rate, weight_decay=rl.weight_decay)
         kind = rl.lr_scheduler_type
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(rl.warmup_steps, total, kind))
         return opt, sched
 
+    source, why = _old_logprobs_source(rl, table, w)
+    update_cfg = dataclasses.replace(rl.update_config(), old_logprobs=source)
+    logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
     train = warm.train_state(w, key=key, global_step=global_step, build=build, seed=seed)
     set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
     history: list[dict] = []
     t = {"seconds": 0.0}
+    mem = PeakMemory(w.model.device)
     if keep:
         pick = lambda name: [cols[name][i] for i in keep]  # noqa: E731
         batch = build_batch(
@@ -98,19 +116,20 @@ def update_from_file(
             else None,
             group_ids=[gids[i] for i in keep],
             sampling_logprobs=pick("completion_logprobs")
-            if rl.vllm_importance_sampling_correction
+            if rl.vllm_importance_sampling_correction or source == "sampler"
             else None,
         )
-        ref = warm.get(reference_checkpoint, slot="reference").model if rl.beta > 0 else None
-        with timer() as t:
+        ref = warm.reference(w, reference_checkpoint) if rl.beta > 0 else None
+        with timer() as t, mem:
             history = grpo_update(
                 w.model,
                 train.optimizer,
                 train.scheduler,
                 batch,
-                rl.update_config(),
+                update_cfg,
                 ref_model=ref,
                 on_step=on_step,
+                data_parallel=dp,
             )
     else:
         logger(__name__).warning(
@@ -118,20 +137,74 @@ def update_from_file(
         )
     step = global_step + len(history)
     train.global_step, train.rng = step, rng_state()
-    save_checkpoint(
-        w.model,
-        tok,
-        out_checkpoint,
-        trainer_state=train.state_dict(),
-        info={"scored": scored_path, "global_step": step},
-    )
+    if dp is None or dp.rank == 0:
+        save_checkpoint(
+            w.model,
+            tok,
+            out_checkpoint,
+            trainer_state=train.state_dict(),
+            info={"scored": scored_path, "global_step": step, **warm.lora_info(w)},
+        )
+    if dp is not None:
+        dp.barrier()  # the checkpoint exists when any rank returns
     warm.put(out_checkpoint, w)
     bad = [h for h in history if not math.isfinite(h["loss"])]
     if bad:
         logger(__name__).warning("%d update steps had a non-finite loss", len(bad))
+    extra["peak_memory_gib"] = mem.gib
     for h in history:
         h.update(extra)
-    return UpdateResult(out_checkpoint, step, history, t["seconds"])
+    return UpdateResult(out_checkpoint, step, history, t["seconds"], mem.gib)
+
+
+def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
+    """One rank of the trainer group (a Ray actor): the run's model load options, then
+    :func:`update_from_file` with this rank's ``data_parallel``."""
+    warm.configure(model_options)
+    return update_from_file(**kwargs, data_parallel=data_parallel)
+
+
+def run_update(*, iteration: int, **kwargs) -> UpdateResult:
+    """:func:`update_from_file` (keywords) in this process, or on the trainer group's Ray
+    actors when ``cluster.backend`` is ``ray`` (cluster/trainer_group.py). A failed group
+    leaves no temporary checkpoint beside ``out_checkpoint``."""
+    from cluster.runtime import current
+
+    cl = current()
+    if not cl.uses_ray:
+        return update_from_file(**kwargs)
+    import shutil
+    from pathlib import Path
+
+    from cluster.trainer_group import TrainerGroupError, trainer_group
+
+    what = f"{kwargs.get('stage', 'offline')} iteration {iteration} update"
+    args = {**kwargs, "model_options": warm.options()}
+    try:
+        return trainer_group(cl).run(update_on_rank, args, what=what)
+    except TrainerGroupError:
+        out = Path(kwargs["out_checkpoint"])
+        for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _old_logprobs_source(rl: RLConfig, table, w) -> tuple[str, str]:
+    """``rl.old_logprobs`` resolved for this scored table and warm policy."""
+    param = next(w.model.parameters())
+    return old_logprobs_source(
+        rl.old_logprobs,
+        file_meta=read_metadata_of(table),
+        policy_ids=set(table.column("policy_id").unique().to_pylist()),
+        policy_id=w.policy_id,
+        temperature=rl.temperature,
+        model_dtype=str(param.dtype).removeprefix("torch."),
+        bf16=rl.bf16,
+        fp16=rl.fp16,
+        quantized=warm.options().load_in_4bit,
+        disable_dropout=rl.disable_dropout,
+        engine_correction=rl.vllm_importance_sampling_correction,
+    )
 
 
 @task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
@@ -158,11 +231,12 @@ def update(
     key = stage_key("update", settings, inputs)
 
     def compute() -> UpdateResult:
-        out = update_from_file(
-            policy_checkpoint,
-            scored_path,
-            out_checkpoint,
-            rl,
+        out = run_update(
+            iteration=iteration,
+            policy_checkpoint=policy_checkpoint,
+            scored_path=scored_path,
+            out_checkpoint=out_checkpoint,
+            rl=rl,
             reference_checkpoint=reference_checkpoint,
             global_step=global_step,
             total_steps=total_steps,
@@ -172,13 +246,14 @@ def update(
         )
         last = out.history[-1] if out.history else {"loss": math.nan, "entropy": math.nan}
         logger(__name__).info(
-            "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs",
+            "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs, peak %.2f GiB",
             stage,
             iteration,
             len(out.history),
             last["loss"],
             last["entropy"],
             out.seconds,
+            out.peak_memory_gib,
         )
         return out
 

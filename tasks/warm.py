@@ -9,6 +9,15 @@ update saved as the checkpoint's ``trainer_state.pt``, so a stage resumed from d
 crash continues as the uninterrupted process does: :func:`train_state` reuses the in-memory
 state only when it is the one saved at that checkpoint and step, loads it from disk
 otherwise, and starts fresh at a stage's first step.
+
+How a policy is loaded (``model.dtype``, ``attn_implementation``, ``gradient_checkpointing``,
+``lora``, ``load_in_4bit``) is set once per process by :func:`configure` (the prepare task
+and the single-stage flows call it with the run's ``model`` section); every load here
+honours it, and :func:`options_key` puts what changes results into the stage cache keys.
+With ``model.lora``, a task that trains names the checkpoint its adapter sits on
+(``lora_base``: the stage's initial checkpoint): the policy is that base with a LoRA adapter
+(fresh at the stage's first step, else the checkpoint's ``adapter/``), and the reference
+model is the same modules with the adapter disabled (:func:`reference`).
 """
 
 from __future__ import annotations
@@ -20,8 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint, load_trainer_state, policy_id
+from grpo_core.config import ModelConfig
 from grpo_core.engines import WarmEngines
+from grpo_core.errors import UserError
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
     import torch
@@ -64,30 +76,145 @@ class WarmPolicy:
 ENGINES = WarmEngines()  # rollout engines kept alive across iterations (weights synced in memory)
 _WARM: dict[str, WarmPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0}
+_OPTIONS = {"model": ModelConfig()}  # how policies are loaded in this process
 
 
-def get(checkpoint: str | Path, slot: str = "policy", *, mutate: bool = False) -> WarmPolicy:
+def configure(model: ModelConfig) -> None:
+    """Load every policy of this process with ``model``'s options; a change of options
+    drops the warm models (they were loaded with the old ones)."""
+    with _LOCK:
+        if _OPTIONS["model"].model_dump(exclude={"source", "path", "demo"}) != model.model_dump(
+            exclude={"source", "path", "demo"}
+        ):
+            _WARM.clear()
+        _OPTIONS["model"] = model
+
+
+def options() -> ModelConfig:
+    return _OPTIONS["model"]
+
+
+def options_key() -> dict | None:
+    """The load options that change a stage's outputs, or None when they are the defaults
+    (so the keys of a run that sets none stay what they were)."""
+    opts = _OPTIONS["model"].load_options()
+    return None if opts == ModelConfig().load_options() else opts
+
+
+def _load(checkpoint: Path):
+    m = _OPTIONS["model"]
+    return load_checkpoint(
+        checkpoint,
+        dtype=m.dtype,
+        attn_implementation=m.attn_implementation,
+        gradient_checkpointing=m.gradient_checkpointing,
+        load_in_4bit=m.load_in_4bit,
+        device=m.device,
+    )
+
+
+def _with_adapter(warm: WarmPolicy | None, checkpoint: Path, pid: str, base: Path) -> WarmPolicy:
+    """The policy of ``checkpoint`` as a LoRA adapter on ``base``: the warm model when it
+    already is that, the warm model (merged) with a fresh adapter when ``checkpoint`` is the
+    base itself, else loaded from disk (the base plus the checkpoint's ``adapter/``)."""
+    cfg = _OPTIONS["model"]
+    base_id = policy_id(base)
+    if warm is not None and warm.extra.get("lora_base_id") == base_id:
+        return warm
+    if pid == base_id:
+        if warm is None or cfg.load_in_4bit:  # a 4-bit base is not merged into: reload it
+            model, tokenizer = _load(checkpoint)
+        else:  # same weights in memory (a merge gives the saved merged copy bit for bit)
+            model, tokenizer = lora.merge_in_place(warm.model), warm.tokenizer
+        model = lora.attach_adapter(model, cfg.lora, quantized=cfg.load_in_4bit)
+    else:
+        adapter = checkpoint / lora.ADAPTER_DIR
+        saved_base = _read_info(checkpoint).get("lora_base_policy_id")
+        if not adapter.is_dir() or saved_base != base_id:
+            raise UserError(
+                f"{checkpoint}: model.lora continues the adapter saved with the checkpoint on "
+                f"its stage's initial checkpoint {base} (policy {base_id}), but the checkpoint "
+                + (
+                    "has no adapter/ folder"
+                    if not adapter.is_dir()
+                    else f"has an adapter on policy {saved_base}"
+                )
+                + "; rerun the stage with --force, or train it without model.lora"
+            )
+        model, tokenizer = _load(base)
+        model = lora.load_adapter(model, adapter)
+    model.peft_config["default"].base_model_name_or_path = str(base)
+    warm = WarmPolicy(checkpoint, pid, model, tokenizer)
+    warm.extra.update(lora_base=str(base), lora_base_id=base_id)
+    return warm
+
+
+def _read_info(checkpoint: Path) -> dict:
+    import json
+
+    try:
+        return json.loads((checkpoint / "checkpoint_info.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def lora_info(warm: WarmPolicy) -> dict:
+    """What a checkpoint of a LoRA policy records in checkpoint_info.json: its base."""
+    if "lora_base_id" not in warm.extra:
+        return {}
+    return {"lora_base": warm.extra["lora_base"], "lora_base_policy_id": warm.extra["lora_base_id"]}
+
+
+def reference(warm: WarmPolicy, checkpoint: str | Path):
+    """The reference model for an update of ``warm``: with LoRA on ``checkpoint``'s
+    weights, the policy's own modules with the adapter disabled; else ``checkpoint``'s model
+    (slot ``reference``)."""
+    if lora.is_peft(warm.model) and warm.extra.get("lora_base_id") == policy_id(checkpoint):
+        return lora.reference_of(warm.model)
+    return get(checkpoint, slot="reference").model
+
+
+def get(
+    checkpoint: str | Path,
+    slot: str = "policy",
+    *,
+    mutate: bool = False,
+    lora_base: str | Path | None = None,
+) -> WarmPolicy:
     """The model of ``checkpoint``, from memory when it is already there.
 
     ``mutate=True`` (training): the entry leaves the cache until :func:`put` records the
     checkpoint its new weights were saved to, so a failed step never leaves a model
-    labelled with weights it no longer has.
+    labelled with weights it no longer has. ``lora_base`` (training with ``model.lora``):
+    the checkpoint the adapter sits on, the stage's initial one.
     """
     checkpoint = Path(checkpoint)
     pid = policy_id(checkpoint)
+    train_lora = lora_base is not None and _OPTIONS["model"].lora is not None
     with _LOCK:
         warm = _WARM.get(slot)
         if warm is not None and warm.policy_id == pid:
             STATS["hits"] += 1
             warm.checkpoint = checkpoint
+            if train_lora:
+                adapted = _with_adapter(warm, checkpoint, pid, Path(lora_base))
+                if adapted is not warm:
+                    _WARM.pop(slot, None)
+                    warm = adapted
+                    if not mutate:
+                        _WARM[slot] = warm
             if mutate:
-                del _WARM[slot]
+                _WARM.pop(slot, None)
             return warm
-        model, tokenizer = load_checkpoint(checkpoint)
+        if train_lora:
+            warm = _with_adapter(None, checkpoint, pid, Path(lora_base))
+            model = warm.model
+        else:
+            model, tokenizer = _load(checkpoint)
+            warm = WarmPolicy(checkpoint, pid, model, tokenizer)
         model.eval()
         STATS["loads"] += 1
         log.info("loaded %s (%s) from disk into slot %s", checkpoint, pid, slot)
-        warm = WarmPolicy(checkpoint, pid, model, tokenizer)
         if not mutate:
             _WARM[slot] = warm
         return warm

@@ -15,7 +15,8 @@ What is checked:
   weights are finite; ``rejection_sampling.require`` names rewards that are computed; the
   eval section's reward names exist; the data has the columns the built-in rewards read;
   rewards that run model-written code (``code_tests``, ``code_runs``) have a working sandbox
-- data files (``data.source: files``, ``--data``): they exist and parse, every row has a
+- data files (``data.source: files``, ``--data``): they exist and parse, the data section's
+  column mapping / template / preset applies to every row (not to ``--data``), every row has a
   ``prompt`` (and SFT rows a ``completion``) of the right type, no prompt is longer than
   ``data.max_prompt_chars``, each column has one type (grpo_core/data.py)
 - checkpoints (``model.path``, ``--policy``, ``--checkpoint``, the demo's base model when it
@@ -91,14 +92,18 @@ def check_run(cfg) -> None:
             "remove it from rejection_sampling.require"
         )
     if cfg.data.source == "files":
-        cap = cfg.data.max_prompt_chars
-        check_data(cfg.data.sft_path, "data.sft_path", ("prompt", "completion"), cap)
-        rl = check_data(cfg.data.rl_path, "data.rl_path", ("prompt",), cap)
+        cap, m = cfg.data.max_prompt_chars, cfg.data.mapping()
+        check_data(cfg.data.sft_path, "data.sft_path", ("prompt", "completion"), cap, m)
+        rl = check_data(cfg.data.rl_path, "data.rl_path", ("prompt",), cap, m)
         check_reward_columns(rl, cfg.data.rl_path, "data.rl_path", cfg.rewards, "rewards")
-        ev = check_data(cfg.data.eval_path, "data.eval_path", ("prompt",), cap)
+        if cfg.data.dev_path:
+            check_data(cfg.data.dev_path, "data.dev_path", ("prompt",), cap, m)
+        ev = check_data(cfg.data.eval_path, "data.eval_path", ("prompt",), cap, m)
         check_reward_columns(ev, cfg.data.eval_path, "data.eval_path", *eval_rewards(cfg))
     if cfg.model.source == "path":
-        check_checkpoint(cfg.model.path, "model.path")
+        from grpo_core.checkpoint import resolve_model_path
+
+        check_checkpoint(resolve_model_path(cfg.model.path), "model.path")
     else:
         base = Path(cfg.output_dir) / cfg.run_name / "checkpoints" / "base"
         if (base / "config.json").exists():
@@ -121,7 +126,8 @@ def check_stage(command: str, args, cfg) -> None:
             raise UserError(f"--iteration {args.iteration}: must be 0 or more")
         if args.data or files:
             field = "--data" if args.data else "data.rl_path"
-            check_data(args.data or cfg.data.rl_path, field, ("prompt",), cap)
+            m = None if args.data else cfg.data.mapping()  # --data: rows in the pipeline's format
+            check_data(args.data or cfg.data.rl_path, field, ("prompt",), cap, m)
     elif command == "score":
         schema = check_parquet(args.rollouts, "--rollouts", ROLLOUT_COLUMNS)
         check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
@@ -144,7 +150,8 @@ def check_stage(command: str, args, cfg) -> None:
         if args.data or files:
             field = "--data" if args.data else "data.eval_path"
             path = args.data or cfg.data.eval_path
-            rows = check_data(path, field, ("prompt",), cap)
+            m = None if args.data else cfg.data.mapping()
+            rows = check_data(path, field, ("prompt",), cap, m)
             check_reward_columns(rows, path, field, *eval_rewards(cfg))
         if not out:
             check_writable_dir(Path(args.checkpoint).resolve().parent, "--checkpoint's folder")

@@ -10,13 +10,19 @@ from flows.preflight._util import first_line
 from grpo_core.errors import UserError
 
 
-def check_data(path, field: str, required: tuple[str, ...], max_prompt_chars: int) -> list[dict]:
+def check_data(
+    path, field: str, required: tuple[str, ...], max_prompt_chars: int, mapping=None
+) -> list[dict]:
+    """The rows of ``path`` after ``mapping`` (a ``grpo_core.columns.RowMapping``: the data
+    section's column mapping, template, preset and system prompt)."""
     from grpo_core.data import load_rows
 
     if not path:
         raise UserError(f"{field}: not set")
     try:
-        return load_rows(path, required=required, max_prompt_chars=max_prompt_chars)
+        return load_rows(
+            path, required=required, max_prompt_chars=max_prompt_chars, mapping=mapping
+        )
     except UserError as e:
         raise UserError(f"{field}: {e}") from None
 

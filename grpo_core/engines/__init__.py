@@ -183,8 +183,12 @@ def sync_weights(
     """Push ``model``'s weights into ``engine`` in memory; with ``check``, verify that the
     engine's greedy probe completion equals the model's and raise :class:`WeightSyncError`
     when it does not."""
+    from grpo_core import lora
+
     start = time.perf_counter()
-    engine.update_weights(model.state_dict())
+    # a LoRA policy: the merged weights under the base model's names
+    state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
+    engine.update_weights(state)
     seconds = time.perf_counter() - start
     result = None
     if check:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +55,79 @@ def prompt_seed(seed: int | None, prompt_index: int, n: int) -> int | None:
     return (seed * _SEED_STRIDE + prompt_index * n) % (2**31 - n)
 
 
+@dataclass(frozen=True)
+class LLMOptions:
+    """What :meth:`VLLMEngine.create` gives ``vllm.LLM`` and sets in the environment."""
+
+    llm_kwargs: dict[str, Any]  # keyword arguments of vllm.LLM
+    env: dict[str, str]  # environment variables set before vllm starts
+    device: str  # "cuda" or "cpu"
+    in_process: bool
+    threads: int  # CPU: torch threads restored after vllm starts
+
+
+def llm_options(
+    checkpoint: str | Path,
+    *,
+    dtype: str = "auto",
+    seed: int = 0,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    gpu_memory_utilization: float = 0.3,
+    tensor_parallel_size: int = 1,
+    enable_sleep_mode: bool = False,
+    enforce_eager: bool = True,
+    enable_prefix_caching: bool = True,
+    in_process: bool = True,
+    cpu_threads: int | None = None,
+    kv_cache_gib: float | None = None,
+    device: str | None = None,
+    **llm_kwargs: Any,
+) -> LLMOptions:
+    """The ``vllm.LLM`` arguments for these options, without importing vllm (the config
+    tests call it on machines without vllm or a GPU). ``device``: ``None`` detects (``cuda``
+    when torch sees a GPU, else ``cpu``). ``llm_kwargs`` go to ``vllm.LLM`` as they are.
+
+    - ``in_process``: vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+      executor ``uni`` for one GPU, ``mp`` (one worker process per GPU) for
+      ``tensor_parallel_size > 1``, where the weight sync then goes through vLLM's RPC
+    - CPU: ``kv_cache_gib`` (default 1 GiB) sizes the KV cache, and ``OMP_NUM_THREADS`` is
+      ``cpu_threads`` (default: torch's threads); on GPU ``gpu_memory_utilization`` does it
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"vllm engine: device must be 'cuda' or 'cpu', got {device!r}")
+    env: dict[str, str] = {}
+    threads = cpu_threads or torch.get_num_threads()
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        llm_kwargs.setdefault(
+            "distributed_executor_backend", "uni" if tensor_parallel_size == 1 else "mp"
+        )
+    if device == "cpu":
+        env["OMP_NUM_THREADS"] = str(threads)
+        if kv_cache_gib is None:
+            kv_cache_gib = 1.0
+    if kv_cache_gib is not None:
+        llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * (1 << 30)))
+    kwargs = dict(
+        model=str(checkpoint),
+        dtype=dtype,
+        seed=seed,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_sleep_mode=enable_sleep_mode,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+        **llm_kwargs,
+    )
+    return LLMOptions(kwargs, env, device, in_process, threads)
+
+
 class VLLMEngine:
     name = "vllm"
 
@@ -69,62 +144,31 @@ class VLLMEngine:
         checkpoint: str | Path | None = None,
         model: torch.nn.Module | None = None,
         tokenizer=None,
-        dtype: str = "auto",
-        seed: int = 0,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        gpu_memory_utilization: float = 0.3,
-        tensor_parallel_size: int = 1,
-        enable_sleep_mode: bool = False,
-        enforce_eager: bool = True,
-        enable_prefix_caching: bool = True,
-        in_process: bool = True,
-        cpu_threads: int | None = None,
-        kv_cache_gib: float | None = None,
-        **llm_kwargs,
+        **options,
     ) -> VLLMEngine:
-        """Start ``vllm.LLM`` on ``checkpoint`` (a ``save_pretrained`` dir).
+        """Start ``vllm.LLM`` on ``checkpoint`` (a ``save_pretrained`` dir) with the keyword
+        arguments :func:`llm_options` builds from ``options`` (the ``rollout.vllm`` section).
 
         ``model`` is not used to start the engine (vLLM loads from disk once); pass later
-        weights with :meth:`update_weights`. ``kv_cache_gib`` sizes the KV cache on CPU
-        (default 1 GiB there; on GPU ``gpu_memory_utilization`` does it). ``llm_kwargs`` go to
-        ``vllm.LLM`` as they are.
+        weights with :meth:`update_weights`.
         """
         if checkpoint is None:
             raise ValueError("vllm engine: needs checkpoint= (a save_pretrained directory)")
-        if in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            llm_kwargs.setdefault("distributed_executor_backend", "uni")
-        threads = cpu_threads or torch.get_num_threads()
-        on_cpu = not torch.cuda.is_available()
-        if on_cpu:
-            os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-            if kv_cache_gib is None:
-                kv_cache_gib = 1.0
-        if kv_cache_gib is not None:
-            llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * (1 << 30)))
+        opts = llm_options(checkpoint, **options)
+        for key, value in opts.env.items():
+            if key == "OMP_NUM_THREADS":
+                os.environ.setdefault(key, value)
+            else:
+                os.environ[key] = value
         vllm = _import_vllm()
         set_threads = torch.set_num_threads  # the CPU worker replaces it process-wide
         try:
-            llm = vllm.LLM(
-                model=str(checkpoint),
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs,
-                gpu_memory_utilization=gpu_memory_utilization,
-                tensor_parallel_size=tensor_parallel_size,
-                enable_sleep_mode=enable_sleep_mode,
-                enforce_eager=enforce_eager,
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="processed_logprobs",
-                **llm_kwargs,
-            )
+            llm = vllm.LLM(**opts.llm_kwargs)
         finally:
             torch.set_num_threads = set_threads
-        if on_cpu and in_process:
-            torch.set_num_threads(threads)
-        return cls(llm, tokenizer=tokenizer, enable_sleep_mode=enable_sleep_mode)
+        if opts.device == "cpu" and opts.in_process:
+            torch.set_num_threads(opts.threads)
+        return cls(llm, tokenizer=tokenizer, enable_sleep_mode=opts.llm_kwargs["enable_sleep_mode"])
 
     def _sampling_params(self, params: SamplingParams, seed: int | None):
         vllm = _import_vllm()

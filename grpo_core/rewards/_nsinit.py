@@ -93,6 +93,8 @@ def build_root(new):
         elif os.path.isdir(host):  # not a merged-/usr system
             os.mkdir(new + host, 0o755)
             bind_ro(host, new + host)
+    os.mkdir(new + "/tmp", 0o1777)  # before the roots: one under /tmp (a venv there) stays seen
+    mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, f"size={CFG['tmp_bytes']},mode=1777")
     for root in CFG["roots"]:  # the Python installation(s), at their own paths
         os.makedirs(new + root, mode=0o755, exist_ok=True)
         bind_ro(root, new + root)
@@ -107,8 +109,6 @@ def build_root(new):
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         os.symlink(f"/proc/self/fd/{i}", new + "/dev/" + name)
     os.symlink("/proc/self/fd", new + "/dev/fd")
-    os.mkdir(new + "/tmp", 0o1777)
-    mount("tmpfs", new + "/tmp", "tmpfs", NOSUID | NODEV, f"size={CFG['tmp_bytes']},mode=1777")
     mount(None, new, None, REMOUNT | BIND | RDONLY | NOSUID | NODEV)
     os.chdir(new)
     mount(new, "/", None, MOVE)

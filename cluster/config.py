@@ -1,0 +1,45 @@
+"""The ``cluster:`` config section: where rollouts, scoring and the GRPO update run.
+
+``backend: local`` (the default) is one process, as every command has always run. ``ray``
+runs the roles below as Ray workers on the cluster at ``address`` (``auto``: the one this
+machine belongs to; ``ray://host:port``: a remote head through Ray Client), or on a local
+Ray started for the run when ``address`` is empty."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from grpo_core.section import Section
+
+
+class WorkerGroup(Section):
+    """How many workers a role gets and what each one reserves on the cluster."""
+
+    workers: int = Field(1, ge=1, description="Ray workers (actors or tasks) for this role")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs each worker reserves")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs each worker reserves")
+
+
+class TrainerGroup(WorkerGroup):
+    dist_backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="torch.distributed backend of the trainer ranks (nccl on GPUs)"
+    )
+
+
+class ClusterConfig(Section):
+    backend: Literal["local", "ray"] = "local"
+    address: str | None = Field(
+        None, description="auto, ray://host:port, or empty to start a local Ray for the run"
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, description="CPUs of the local Ray started when address is empty"
+    )
+    rollout: WorkerGroup = WorkerGroup()
+    trainer: TrainerGroup = TrainerGroup()
+    scoring: WorkerGroup = WorkerGroup()
+
+    @property
+    def uses_ray(self) -> bool:
+        return self.backend == "ray"

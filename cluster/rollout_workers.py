@@ -1,0 +1,366 @@
+"""Rollout replicas: ``cluster.rollout.workers`` Ray actors, each holding a rollout engine.
+
+The prompts of a call are cut into contiguous shards (sizes differ by at most one prompt),
+one per replica; each replica samples its shard with the same :class:`SamplingParams` except
+the seed (:func:`shard_seed`), and the samples are gathered back in prompt order, so the
+caller writes the same rollout Parquet as a local run: same columns, prompt-major rows.
+
+Replicas start once per process (per engine spec and worker group) from the checkpoint the
+first call names, which every worker must see (a local Ray, or a shared filesystem). When a
+later call names another policy, the driver's weights are put in Ray's object store once
+(``ray.put`` of the state dict) and every replica loads them; with ``check_sync`` the
+driver's greedy completion of the probe prompt is compared with each replica's
+(``rollout.check_sync``), and a replica that differs raises ``WeightSyncError`` naming it.
+
+A replica that dies during a call (its process killed, its node lost) is replaced by a fresh
+one, started from the checkpoint being sampled, which redoes that shard with the same seed
+(``retries`` times, default once); then :class:`RolloutWorkerError` names the worker and the
+call. Nothing is written here: the caller writes the gathered rows atomically.
+
+Ray is imported only inside the functions (``cluster.runtime.ensure_ray``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from cluster import resources
+from cluster.config import ClusterConfig, WorkerGroup
+
+if TYPE_CHECKING:
+    from grpo_core.generation import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class RolloutWorkerError(RuntimeError):
+    """A rollout replica died and its shard could not be redone."""
+
+
+def shards(n_items: int, n_shards: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` ranges over ``n_items``, at most ``n_shards`` of them,
+    sizes differing by at most one (no empty range)."""
+    n_shards = max(1, min(n_shards, n_items))
+    base, extra = divmod(n_items, n_shards)
+    out, start = [], 0
+    for k in range(n_shards):
+        end = start + base + (k < extra)
+        out.append((start, end))
+        start = end
+    return [r for r in out if r[1] > r[0]]
+
+
+def shard_seed(seed: int | None, shard: int) -> int | None:
+    """The sampling seed of shard ``shard``: shard 0 keeps ``seed`` (so one replica samples
+    exactly what the local engine samples), shard k > 0 takes the first 63 bits of
+    ``sha256("<seed>/<k>")``. ``None`` (unseeded) stays ``None``."""
+    if seed is None or shard == 0:
+        return seed
+    digest = hashlib.sha256(f"{seed}/{shard}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class Replica:
+    """One rollout engine in a Ray actor (made with ``ray.remote(Replica)``)."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        policy_id: str,
+        engine: str,
+        engine_options: Mapping | None,
+        load_options: Mapping | None,
+        tokenizer,
+    ) -> None:
+        from grpo_core.engines import get_engine
+
+        opts = dict(engine_options or {})
+        if engine == "hf":
+            from grpo_core.checkpoint import load_checkpoint
+
+            model, tokenizer = load_checkpoint(checkpoint, **dict(load_options or {}))
+            model.eval()
+            self.engine = get_engine("hf", model=model, tokenizer=tokenizer, **opts)
+        else:
+            self.engine = get_engine(engine, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
+        self.policy_id = policy_id
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+        self.engine.wake_up()
+        samples = self.engine.generate(prompt_ids, params, progress=False)
+        self.engine.sleep()
+        return samples
+
+    def load_weights(self, state_dict: Mapping, policy_id: str, probe: list[int] | None):
+        """Take the driver's weights; with ``probe``, return the greedy probe completion."""
+        self.engine.wake_up()
+        self.engine.update_weights(state_dict)
+        self.policy_id = policy_id
+        out = None
+        if probe is not None:
+            out = self._greedy(probe)
+        self.engine.sleep()
+        return out
+
+    def _greedy(self, probe: list[int]) -> list[int]:
+        from grpo_core.generation import SamplingParams
+
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=PROBE_TOKENS)
+        (s,) = self.engine.generate([probe], params, desc="probe", progress=False)
+        return s.completion_ids
+
+    def current_policy(self) -> str:
+        return self.policy_id
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+PROBE_TOKENS = 16  # as grpo_core.engines.probe_sync
+
+
+def actor_options(group: WorkerGroup) -> dict:
+    """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
+    driver's value when set, else 1 (a few replicas share a machine's cores)."""
+    return {
+        "num_cpus": group.num_cpus,
+        "num_gpus": group.num_gpus,
+        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+    }
+
+
+class RolloutGroup:
+    """``workers`` replicas of one engine spec, kept for the life of the process."""
+
+    def __init__(
+        self,
+        ray,
+        group: WorkerGroup,
+        *,
+        engine: str,
+        engine_options: Mapping | None,
+        load_options: Mapping | None,
+        checkpoint: str,
+        policy_id: str,
+        tokenizer,
+    ) -> None:
+        self.ray = ray
+        self.group = group
+        self.engine = engine
+        self._init = (engine, dict(engine_options or {}), dict(load_options or {}), tokenizer)
+        resources.check(ray, "rollout", group, group.workers)
+        self.actors = [self._start(checkpoint, policy_id) for _ in range(group.workers)]
+        self.synced = [policy_id] * group.workers
+        self.replaced = 0  # replicas started again after one died
+        self.inflight: list = []  # object refs of the call in progress (for tests and logs)
+        log.info("started %d %s rollout replicas on %s", group.workers, engine, checkpoint)
+
+    def _start(self, checkpoint: str, policy_id: str):
+        engine, opts, load, tokenizer = self._init
+        cls = self.ray.remote(Replica).options(**actor_options(self.group))
+        return cls.remote(str(checkpoint), policy_id, engine, opts, load, tokenizer)
+
+    def sync(
+        self, checkpoint: str, policy_id: str, model, tokenizer, *, check: bool = False
+    ) -> None:
+        """Bring every replica to ``model``'s weights (``policy_id``): one ``ray.put`` of the
+        state dict, loaded by each replica that holds other weights; with ``check``, each
+        one's greedy probe completion must equal ``model``'s. A replica found dead is
+        started again from ``checkpoint`` (which holds those weights)."""
+        stale = [i for i, pid in enumerate(self.synced) if pid != policy_id]
+        if not stale:
+            return
+        from grpo_core import lora
+        from grpo_core.engines import WeightSyncError, default_probe
+        from grpo_core.generation import SamplingParams, generate
+
+        state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
+        ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
+        probe = expected = None
+        if check:
+            probe = default_probe(tokenizer)
+            params = SamplingParams(n=1, temperature=0.0, max_new_tokens=PROBE_TOKENS)
+            (s,) = generate(
+                model,
+                [probe],
+                params,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_ids=tokenizer.eos_token_id,
+                progress=False,
+            )
+            expected = s.completion_ids
+        calls = {i: self.actors[i].load_weights.remote(ref, policy_id, probe) for i in stale}
+        for i, call in calls.items():
+            try:
+                got = self._get(call, i, f"weight sync to policy {policy_id}", fatal=False)
+            except _ReplicaDied as died:
+                log.warning("rollout replica %d died (%s); starting a fresh one", i, died)
+                self._replace(i, checkpoint, policy_id)
+                got = None
+                if check:
+                    call = self.actors[i].load_weights.remote(ref, policy_id, probe)
+                    got = self._get(call, i, f"weight sync to policy {policy_id}")
+            if check and got != expected:
+                raise WeightSyncError(
+                    f"rollout replica {i} ({self.engine} engine) after weight sync to policy "
+                    f"{policy_id}: greedy probe gave {got}, the trainer's model {expected}"
+                )
+            self.synced[i] = policy_id
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        *,
+        checkpoint: str,
+        policy_id: str,
+        desc: str = "rollout",
+        retries: int = 1,
+    ) -> list[Sample]:
+        """``params.n`` samples per prompt from the replicas (already synced to
+        ``policy_id``), in prompt-major order; shard k samples with ``shard_seed(seed, k)``."""
+        ranges = shards(len(prompt_ids), len(self.actors))
+        shard_params = [
+            dataclasses.replace(params, seed=shard_seed(params.seed, k)) for k in range(len(ranges))
+        ]
+        calls = [
+            self.actors[k].generate.remote(prompt_ids[a:b], shard_params[k])
+            for k, (a, b) in enumerate(ranges)
+        ]
+        self.inflight = calls
+        out: list[Sample] = []
+        try:
+            for k, ((a, b), call) in enumerate(zip(ranges, calls, strict=True)):
+                for attempt in range(retries + 1):
+                    try:
+                        part = self._get(call, k, desc, fatal=attempt == retries, tries=attempt)
+                        break
+                    except _ReplicaDied as died:
+                        log.warning(
+                            "%s: rollout replica %d died (%s); redoing its %d prompts on a "
+                            "fresh replica",
+                            desc,
+                            k,
+                            died,
+                            b - a,
+                        )
+                        self._replace(k, checkpoint, policy_id)
+                        call = self.actors[k].generate.remote(prompt_ids[a:b], shard_params[k])
+                out.extend(dataclasses.replace(s, prompt_index=s.prompt_index + a) for s in part)
+        finally:
+            self.inflight = []
+        return out
+
+    def _replace(self, k: int, checkpoint: str, policy_id: str) -> None:
+        with contextlib.suppress(Exception):  # already gone
+            self.ray.kill(self.actors[k])
+        self.actors[k] = self._start(checkpoint, policy_id)
+        self.synced[k] = policy_id
+        self.replaced += 1
+
+    def _get(self, call, k: int, what: str, *, fatal: bool = True, tries: int = 0):
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+        try:
+            return self.ray.get(call)
+        except (RayActorError, ActorDiedError, ActorUnavailableError) as e:
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not fatal:
+                raise _ReplicaDied(reason) from e
+            again = f" (after {tries} retries on a fresh replica)" if tries else ""
+            raise RolloutWorkerError(
+                f"rollout replica {k} of {len(self.actors)} ({self.engine} engine) died during "
+                f"{what}{again}: {reason}; nothing was written"
+            ) from e
+
+    def close(self) -> None:
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(a)
+        self.actors = []
+
+
+class _ReplicaDied(Exception):
+    pass
+
+
+_GROUPS: dict[str, RolloutGroup] = {}
+_LOCK = threading.Lock()
+
+
+def _key(cfg: ClusterConfig, engine: str, engine_options, load_options, model) -> str:
+    """What a group of replicas is: resources, engine spec, load options, architecture."""
+    arch = model.config.to_dict()
+    for k in ("_name_or_path", "transformers_version"):
+        arch.pop(k, None)
+    spec = [cfg.rollout.model_dump(), engine, engine_options or {}, load_options or {}, arch]
+    return json.dumps(spec, sort_keys=True, default=str)
+
+
+def sample(
+    cfg: ClusterConfig,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    *,
+    checkpoint: str,
+    policy_id: str,
+    model,
+    tokenizer,
+    engine: str = "hf",
+    engine_options: Mapping | None = None,
+    load_options: Mapping[str, Any] | None = None,
+    check_sync: bool = False,
+    desc: str = "rollout",
+    retries: int = 1,
+) -> list[Sample]:
+    """Sample on the process's rollout replicas (started on first use, then synced to
+    ``model``'s weights whenever ``policy_id`` changes); a replica that dies is replaced
+    and its shard redone ``retries`` times."""
+    from cluster.runtime import ensure_ray
+
+    ray = ensure_ray(cfg)
+    key = _key(cfg, engine, engine_options, load_options, model)
+    with _LOCK:
+        group = _GROUPS.get(key)
+        if group is None:
+            for old in _GROUPS.values():  # one group at a time: replicas hold their resources
+                old.close()
+            _GROUPS.clear()
+            group = _GROUPS[key] = RolloutGroup(
+                ray,
+                cfg.rollout,
+                engine=engine,
+                engine_options=engine_options,
+                load_options=load_options,
+                checkpoint=str(checkpoint),
+                policy_id=policy_id,
+                tokenizer=tokenizer,
+            )
+        group.sync(str(checkpoint), policy_id, model, tokenizer, check=check_sync)
+        return group.generate(
+            prompt_ids,
+            params,
+            checkpoint=str(checkpoint),
+            policy_id=policy_id,
+            desc=desc,
+            retries=retries,
+        )
+
+
+def groups() -> list[RolloutGroup]:
+    return list(_GROUPS.values())
+
+
+def close_all() -> None:
+    """Stop every replica of this process (before Ray shuts down)."""
+    with _LOCK:
+        for g in _GROUPS.values():
+            g.close()
+        _GROUPS.clear()

@@ -1,0 +1,251 @@
+"""Data-parallel GRPO update over ``torch.distributed``: N ranks, one replica of the policy each.
+
+What makes N processes give the update of one (``grpo_core.update.grpo_update`` with
+``data_parallel=``):
+
+- the micro-batches are those of one process (same ``steps_per_generation`` plan over the
+  *global* number of groups); each rank takes a contiguous share of the whole groups of every
+  micro-batch (``tensor_split``: uneven shares differ by one group, a rank may get none);
+- every rank computes the old / reference log-probs of its own rows only;
+- each micro-batch's loss is divided by the normaliser of the *global* micro-batch (one
+  all-reduce of the per-micro-batch token and sequence counts): ``dapo`` the whole generation
+  batch's tokens, ``bnpo`` the micro-batch's tokens, ``grpo``/``dr_grpo`` its sequences, as
+  ``grpo_core.losses.micro_batch_normaliser``. A rank's loss is then its share of the sum, and
+  the SUM of the ranks' gradients is the one-process gradient;
+- gradients are summed once per optimizer step (as DDP under ``no_sync`` over the accumulation
+  window), in flat buckets; clipping and the optimizer step then run on identical gradients on
+  every rank, so the replicas stay equal. The module is not wrapped in torch's
+  ``DistributedDataParallel``: a rank with no rows in a micro-batch skips its forward, which
+  DDP's per-forward reducer does not allow;
+- metrics are gathered and combined as one process computes them (token-weighted means, sums
+  of the loss parts), so every rank reports the same numbers.
+
+Launch: ``torchrun`` (env ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``) then
+:func:`process_group`, or :func:`spawn` a function on N local processes (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from grpo_core.batch import UpdateBatch
+
+BUCKET_ELEMENTS = 25_000_000  # gradient elements per all-reduce (DDP's 25 MB-ish buckets)
+SUMMED_METRICS = ("loss", "policy_loss")  # as grpo_core.update: parts of one objective
+
+
+@dataclass
+class DataParallel:
+    """This process's place in a data-parallel group; the collectives the update needs."""
+
+    group: dist.ProcessGroup | None = None  # None: the default (world) group
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def device(self) -> torch.device:
+        """Where this backend's collectives take tensors (nccl: this rank's GPU)."""
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def shard(self, batch: UpdateBatch, slices: list[Tensor]) -> tuple[UpdateBatch, list[Tensor]]:
+        """This rank's rows: a contiguous share of the whole groups of each micro-batch.
+        Returns the local batch and the micro-batches' row indices into it (possibly empty)."""
+        gids = batch.group_ids if batch.group_ids is not None else torch.arange(batch.size)
+        mine = []
+        for idx in slices:
+            groups = torch.unique_consecutive(gids[idx])  # [g] in row order
+            part = torch.tensor_split(groups, self.world_size)[self.rank]
+            mine.append(idx[torch.isin(gids[idx], part)])
+        rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
+        bounds = torch.tensor([0] + [len(m) for m in mine]).cumsum(0).tolist()
+        local = [torch.arange(bounds[j], bounds[j + 1]) for j in range(len(mine))]
+        return batch.slice(rows), local
+
+    def normalisers(
+        self, loss_type: str, masks: list[Tensor], accumulation: int
+    ) -> list[Tensor | int]:
+        """Each micro-batch's ``num_items_in_batch`` over the global micro-batch (the
+        all-reduced counts), the values ``micro_batch_normaliser`` gives one process."""
+        counts = torch.tensor(
+            [[float(m.sum()), float(m.shape[0])] for m in masks], dtype=torch.float64
+        ).reshape(-1, 2)  # [J, 2]: tokens, sequences of this rank's share
+        counts = counts.to(self.device)
+        dist.all_reduce(counts, group=self.group)
+        counts = counts.cpu()
+        tokens = counts[:, 0].to(torch.float32)  # [J]
+        rows = [int(r) for r in counts[:, 1].tolist()]
+        if loss_type == "dapo":
+            # the generation batch's tokens x accumulation / micro-batches, as one process
+            total = (tokens.sum() * accumulation / len(masks)).clamp(min=1.0)
+            return [total for _ in masks]
+        if loss_type == "bnpo":
+            return [t.clamp(min=1.0) * accumulation for t in tokens]
+        if loss_type in ("grpo", "dr_grpo"):
+            return [r * accumulation for r in rows]
+        raise ValueError(
+            f"no normaliser for loss_type {loss_type!r}; expected dapo, bnpo, grpo or dr_grpo"
+        )
+
+    def all_reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the ranks' gradients in place. A parameter that got a gradient on some rank gets
+        the sum on all (zeros where absent); one that got none anywhere keeps ``None``, as in
+        one process (so weight decay does not touch it)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        has = has.to(self.device)
+        dist.all_reduce(has, group=self.group)
+        params = [p for p, h in zip(params, has.cpu().tolist(), strict=True) if h]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: dict[tuple, list[list[Tensor]]] = {}
+        for p in params:
+            key = (p.grad.dtype, p.grad.device)
+            runs = buckets.setdefault(key, [[]])
+            if sum(g.numel() for g in runs[-1]) + p.grad.numel() > BUCKET_ELEMENTS and runs[-1]:
+                runs.append([])
+            runs[-1].append(p.grad)
+        for runs in buckets.values():
+            for grads in runs:
+                flat = torch.cat([g.reshape(-1) for g in grads])  # [sum numel]
+                dist.all_reduce(flat, group=self.group)
+                offset = 0
+                for g in grads:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+
+    def broadcast_parameters(self, model: torch.nn.Module) -> None:
+        """Rank 0's parameters and buffers to every rank (replicas start equal)."""
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                if t.device.type == "cpu" and self.device.type == "cuda":
+                    buf = t.to(self.device)
+                    dist.broadcast(buf, src=0, group=self.group)
+                    t.copy_(buf.cpu())
+                else:
+                    dist.broadcast(t, src=0, group=self.group)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (small Python objects: metrics), in rank order."""
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def step_metrics(self, window: list[dict], tokens: list[float]) -> dict:
+        """One optimizer step's metrics as one process reports them. ``window``: this rank's
+        metrics of each micro-batch (``{}`` when it had no rows), ``tokens``: its completion
+        tokens in each. Loss parts are summed over ranks, other metrics are means over the
+        micro-batch's tokens (the ranks' means weighted by their tokens)."""
+        ranks = self.gather(list(zip(window, tokens, strict=True)))
+        merged = []
+        for j in range(len(window)):
+            parts = [r[j] for r in ranks if r[j][0]]  # (metrics, tokens) of ranks with rows
+            out = {}
+            for key in parts[0][0]:
+                values = [(m[key], t) for m, t in parts]
+                if key in SUMMED_METRICS:
+                    out[key] = sum(v for v, _ in values)
+                else:
+                    weight = sum(t for _, t in values)
+                    out[key] = (
+                        sum(v * t for v, t in values) / weight
+                        if weight
+                        else sum(v for v, _ in values) / len(values)
+                    )
+            merged.append(out)
+        step = {}
+        for key in merged[0]:
+            values = [m[key] for m in merged]
+            step[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+        return step
+
+    def importance_metrics(self, metrics: dict, tokens: float) -> dict:
+        """``engine_importance_weights``' metrics over every rank: min of mins, max of maxes,
+        token-weighted means (sequence-level means are weighted by tokens too: approximate)."""
+        ranks = [(m, t) for m, t in self.gather((metrics, tokens)) if m]
+        if not ranks:
+            return {}
+        out = {}
+        for key in ranks[0][0]:
+            values = [(m[key], t) for m, t in ranks]
+            if key.endswith("/min"):
+                out[key] = min(v for v, _ in values)
+            elif key.endswith("/max"):
+                out[key] = max(v for v, _ in values)
+            else:
+                weight = sum(t for _, t in values) or 1.0
+                out[key] = sum(v * t for v, t in values) / weight
+        return out
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+@contextmanager
+def process_group(backend: str | None = None) -> Iterator[DataParallel]:
+    """Join the process group that ``torchrun`` (or :func:`spawn`) describes in the
+    environment; destroy it on exit. nccl: this rank's GPU is ``LOCAL_RANK``."""
+    missing = [
+        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
+    ]
+    if missing:
+        raise RuntimeError(
+            f"no process group described: environment variable(s) {missing} unset; "
+            "launch with torchrun --nproc-per-node N (or grpo_core.distributed.spawn)"
+        )
+    backend = backend or default_backend()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    try:
+        yield DataParallel()
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, backend: str, args: tuple):
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with process_group(backend) as dp:
+        fn(dp, *args)
+
+
+def spawn(fn: Callable, world_size: int, *args, backend: str = "gloo") -> None:
+    """Run ``fn(data_parallel, *args)`` on ``world_size`` new local processes (a free port on
+    127.0.0.1); returns when all have finished, raises if one failed. ``fn`` must be
+    importable by name (a module-level function)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(fn, world_size, free_port(), backend, args), nprocs=world_size)
