@@ -45,3 +45,17 @@ def prefect_harness():
 @pytest.fixture
 def tracking_uri(tmp_path):
     return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture(autouse=True)
+def _keep_tracking_env():
+    """``mlflow.set_tracking_uri`` in a test writes MLFLOW_TRACKING_URI; later tests (and the
+    processes they start) would send their runs there instead of their own default."""
+    import os
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before

@@ -129,7 +129,7 @@ def worker_run(stack):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     t0 = time.perf_counter()
-    flow_run = _run_deployment(stack, "r1-from-config/r1-pipeline", "via-worker")
+    flow_run = _run_deployment(stack, "r1-pipeline/r1-pipeline", "via-worker")
     return flow_run, time.perf_counter() - t0
 
 
@@ -145,7 +145,7 @@ def test_start_is_idempotent(stack):
 def test_prefect_yaml_deployment_runs_on_the_worker(stack, worker_run):
     flow_run, _ = worker_run
     assert flow_run.state.type.value == "COMPLETED", flow_run.state
-    deployment = _read_deployment(stack, "r1-from-config/r1-pipeline")
+    deployment = _read_deployment(stack, "r1-pipeline/r1-pipeline")
     assert deployment.work_pool_name == "grpo-local"
     assert deployment.parameter_openapi_schema["properties"].keys() >= {"config", "overrides"}
     assert [s.schedule.cron for s in deployment.schedules] == ["0 2 * * *"]
@@ -172,7 +172,7 @@ def served_run(stack, worker_run):
         while True:  # registered: the deployment now has the serve's schedule
             assert serve.poll() is None, (stack["work"] / "serve.log").read_text()[-3000:]
             try:
-                d = _read_deployment(stack, "r1-from-config/r1-pipeline")
+                d = _read_deployment(stack, "r1-pipeline/r1-pipeline")
                 if [s.schedule.cron for s in d.schedules] == ["30 1 * * 0"]:
                     break
             except Exception:
@@ -180,7 +180,7 @@ def served_run(stack, worker_run):
             assert time.time() < deadline, "grpo serve did not register its deployment"
             time.sleep(1)
         t0 = time.perf_counter()
-        flow_run = _run_deployment(stack, "r1-from-config/r1-pipeline", "via-serve")
+        flow_run = _run_deployment(stack, "r1-pipeline/r1-pipeline", "via-serve")
         return flow_run, time.perf_counter() - t0
     finally:  # stop serve now, while the API it reports its shutdown to is still up
         os.killpg(serve.pid, 15)
@@ -216,8 +216,10 @@ def test_compare_reads_both_runs_from_the_mlflow_server(stack, worker_run, serve
     parents = client.search_runs([exp.experiment_id], "tags.pipeline = 'r1'")
     assert {r.info.run_name for r in parents} == {"via-worker", "via-serve"}
     for r in parents:
-        assert [a.path for a in client.list_artifacts(r.info.run_id, "compare")] == [
-            "compare/cmp.png"
+        # its own plot, logged when the run ended, and the one of `grpo compare`
+        assert sorted(a.path for a in client.list_artifacts(r.info.run_id, "compare")) == [
+            "compare/cmp.png",
+            "compare/grpo-compare.png",
         ]
 
 

@@ -116,3 +116,59 @@ def test_env_defaults_do_not_override_user_settings(monkeypatch, tmp_path):
     assert os.environ["MLFLOW_DISABLE_TELEMETRY"] == "true"
     assert os.environ["HF_HOME"] == str(tmp_path.resolve() / ".hf_home")
     assert "PREFECT_LOGGING_EXTRA_LOGGERS" not in os.environ
+
+
+GPU_PRESETS = {"gpu.yaml": ("bfloat16", "gsm8k"), "gpu-code.yaml": ("bfloat16", None)}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_PRESETS))
+def test_gpu_presets_validate_and_build_their_engines_settings(name):
+    """configs/gpu*.yaml as written: vLLM rollouts, every rollout.vllm knob reaching the
+    arguments vllm.LLM gets (built without importing vllm or needing a GPU)."""
+    from grpo_core.engines.vllm_engine import llm_options
+
+    cfg = load_config(Path(__file__).parents[2] / "configs" / name)
+    dtype, preset = GPU_PRESETS[name]
+    assert cfg.rollout.engine == "vllm" and cfg.data.preset == preset
+    spec = cfg.rollout.engine_spec()
+    assert spec["name"] == "vllm"
+    for stage_engine in (cfg.eval.engine, cfg.rejection_sampling.engine):
+        assert cfg.rollout.engine_spec(stage_engine)["name"] == "vllm"
+    opts = llm_options("/ckpt", device="cuda", **spec["options"])
+    v = cfg.rollout.vllm
+    assert opts.llm_kwargs == {
+        "model": "/ckpt",
+        "dtype": dtype,
+        "seed": 0,
+        "max_model_len": v.max_model_len,
+        "max_num_seqs": v.max_num_seqs,
+        "gpu_memory_utilization": v.gpu_memory_utilization,
+        "tensor_parallel_size": 1,
+        "enable_sleep_mode": True,
+        "enforce_eager": False,
+        "enable_prefix_caching": True,
+        "logprobs_mode": "processed_logprobs",
+        "distributed_executor_backend": "uni",
+    }
+    assert opts.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert v.max_model_len >= cfg.rl.max_completion_length
+    # every field of the section reaches the builder (a new knob must be wired, not dropped)
+    assert set(spec["options"]) == set(type(v).model_fields)
+
+
+def test_vllm_settings_on_cpu_and_with_several_gpus():
+    from grpo_core.config import VLLMConfig
+    from grpo_core.engines.vllm_engine import llm_options
+
+    cpu = llm_options("/c", device="cpu", **VLLMConfig(cpu_threads=3).model_dump())
+    assert cpu.llm_kwargs["kv_cache_memory_bytes"] == 1 << 30 and cpu.env["OMP_NUM_THREADS"] == "3"
+    tp = llm_options("/c", device="cuda", **VLLMConfig(tensor_parallel_size=2).model_dump())
+    assert tp.llm_kwargs["distributed_executor_backend"] == "mp"
+    assert "kv_cache_memory_bytes" not in tp.llm_kwargs
+
+
+def test_smollm2_preset_runs_the_recipe_on_generated_word_problems():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "smollm2-cpu.yaml")
+    assert cfg.model.source == "path" and cfg.model.path == "models/smollm2-135m-instruct"
+    assert cfg.data.source == "word_problems" and cfg.data.system_prompt
+    assert cfg.rl.max_completion_length <= 64 and cfg.rollout.engine == "hf"

@@ -55,8 +55,8 @@ def inputs(tmp_path_factory, tiny_checkpoint):
     p["rl_reserved"] = _jsonl(d / "rl_reserved.jsonl", [{"prompt": "1+1=", "completions": "x"}])
     (d / "empty.jsonl").write_text("\n")
     p["empty"] = str(d / "empty.jsonl")
-    (d / "rl.csv").write_text("prompt,answer\n1+1=,2\n")
-    p["csv"] = str(d / "rl.csv")
+    (d / "rl.txt").write_text("prompt,answer\n1+1=,2\n")
+    p["txt"] = str(d / "rl.txt")
     (d / "rl_trunc.parquet").write_bytes(b"PAR1" + b"\0" * 40)
     p["rl_trunc_parquet"] = str(d / "rl_trunc.parquet")
 
@@ -235,7 +235,7 @@ CASES = [
     ("data_no_answer", lambda p: ["run", *_files(p, rl="rl_no_answer")], ["'answer'", "rewards"]),
     ("data_reserved", lambda p: ["run", *_files(p, rl="rl_reserved")], ["'completions'"]),
     ("data_empty", lambda p: ["run", *_files(p, ev="empty")], ["data.eval_path", "no rows"]),
-    ("data_csv", lambda p: ["run", *_files(p, rl="csv")], ["rl.csv", "unsupported"]),
+    ("data_txt", lambda p: ["run", *_files(p, rl="txt")], ["rl.txt", "unsupported"]),
     ("data_parquet", lambda p: ["run", *_files(p, rl="rl_trunc_parquet")], ["rl_trunc.parquet"]),
     # checkpoints
     (

@@ -74,3 +74,36 @@ def test_top_k_one_equals_greedy(tiny_model):
     )
     assert [s.completion_ids for s in g] == [s.completion_ids for s in k1]
     assert all(abs(lp) < 1e-6 for s in k1 for lp in s.logprobs)  # all mass on one token
+
+
+def test_finished_rows_leave_the_batch_without_changing_the_others(tiny_model):
+    """Rows that stop early are dropped from the batch (and its KV cache); every row's
+    completion and log-probs are still those it gets alone in a batch of one."""
+    import copy
+
+    model, tok = tiny_model
+    model = copy.deepcopy(model)  # noised: the untrained model says one token over and over
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.5)
+    ids = _prompts(tok, [(1, 2), (123, 4567), (99, 1), (5, 55), (8, 0), (40, 2)])
+    greedy = SamplingParams(n=1, temperature=0, max_new_tokens=10)
+    kw = dict(pad_token_id=tok.pad_token_id, progress=False)
+    free = generate(model, ids, greedy, eos_token_ids=tok.eos_token_id, **kw)
+
+    # a stop token that ends two rows or more at different steps before the last
+    def first_steps(c):
+        return {s.completion_ids.index(c) for s in free if c in s.completion_ids[:-1]}
+
+    eos = next(
+        c for c in sorted({c for s in free for c in s.completion_ids}) if len(first_steps(c)) > 1
+    )
+    batched = generate(model, ids, greedy, eos_token_ids=eos, **kw)
+    alone = generate(model, ids, greedy, eos_token_ids=eos, batch_size=1, **kw)
+    assert len({len(s.completion_ids) for s in batched}) > 1  # rows did finish at different steps
+    for a, b in zip(batched, alone, strict=True):
+        assert a.completion_ids == b.completion_ids and a.finish_reason == b.finish_reason
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0
+        )

@@ -39,17 +39,19 @@ INTERRUPTED = re.compile(
 
 
 class Run:
-    """One `grpo run` in its own session (as a shell runs a foreground command), output
+    """One `grpo run` (or another `grpo` command) in its own session (as a shell runs a foreground command), output
     to files that the test reads while it runs."""
 
-    def __init__(self, tmp: Path, tag: str) -> None:
+    def __init__(self, tmp: Path, tag: str, command: list[str] | None = None) -> None:
         env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("PREFECT_API", "PREFECT_HOME", "MLFLOW_TRACKING_URI"))
         }
         env["PREFECT_HOME"] = str(tmp / "prefect-home")
         env["PYTHONPATH"] = str(ROOT)
-        cmd = [sys.executable, "-m", "flows.cli", "run"]
-        cmd += [a for o in OVERRIDES for a in ("--set", o)]
+        cmd = [sys.executable, "-m", "flows.cli"]
+        cmd += command or ["run", *(a for o in OVERRIDES for a in ("--set", o))]
         cmd += ["--set", f"output_dir={tmp / 'runs'}"]
         self.out, self.err = tmp / f"{tag}.out", tmp / f"{tag}.err"
         with self.out.open("w") as out, self.err.open("w") as err:
@@ -138,7 +140,7 @@ def _check_interrupted(run: Run, sig: int, stage: str) -> None:
 def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
     # 1. SIGKILL in rl_1: the temporary Prefect server dies with the process
     first = Run(tmp_path, "1-sigkill")
-    first.wait_for("Beginning subflow run 'rl_1'")
+    first.wait_for("Beginning subflow run 'demo/rl_1'")
     url = first.server_url()
     servers = _server_pids(first.pid)
     assert servers and _answers(url)
@@ -154,7 +156,7 @@ def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
 
     # 2. rerun, SIGTERM in an rl_1 iteration: exit 143, one line, runs KILLED
     second = Run(tmp_path, "2-sigterm")
-    second.wait_for("rl_1-rollout-1")
+    second.wait_for("demo/rl_1/rollout-1")
     second.proc.send_signal(signal.SIGTERM)
     _check_interrupted(second, signal.SIGTERM, "rl_1 iteration")
     runs = {r.info.run_id: r for r in _runs(tmp_path)}
@@ -163,7 +165,7 @@ def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
 
     # 3. rerun, Ctrl-C (SIGINT to the process group) in rl_2: exit 130, one line, KILLED
     third = Run(tmp_path, "3-sigint")
-    third.wait_for("Beginning subflow run 'rl_2'")
+    third.wait_for("Beginning subflow run 'demo/rl_2'")
     third.signal_group(signal.SIGINT)
     _check_interrupted(third, signal.SIGINT, "rl_2")
     assert not _server_pids(third.pid)
@@ -292,3 +294,21 @@ def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once():
         steps.append("not reached")
     assert steps == ["finished"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.slow
+def test_a_stage_command_stops_on_sigterm_with_one_line(tmp_path, tiny_checkpoint):
+    from grpo_core.demo.task import make_splits
+    from grpo_core.io import write_jsonl
+
+    rows = write_jsonl(  # enough rows that the eval still runs when SIGTERM comes
+        make_splits(0, n_sft=1, n_rl=1, n_dev=0, n_eval=3000).eval, tmp_path / "e.jsonl"
+    )
+    run = Run(tmp_path, "eval", ["eval", "--checkpoint", str(tiny_checkpoint), "--data", str(rows)])
+    run.wait_for("Beginning flow run")
+    run.signal_group(signal.SIGTERM)
+    assert run.wait() == 128 + signal.SIGTERM, run.tail()
+    err = run.stderr()
+    assert "Traceback" not in err, run.tail()
+    m = INTERRUPTED.match(err.strip().splitlines()[-1])
+    assert m and m.group(1) == "SIGTERM" and m.group(2) == "eval", run.tail()

@@ -151,4 +151,4 @@ def test_grpo_run_against_real_prefect_and_mlflow_servers(servers, tmp_path):
         os.environ.pop("PREFECT_API_URL", None)
     names = {(r.name, r.state.type.value) for r in flow_runs}
     assert ("served", "COMPLETED") in names
-    assert ("rl_1", "COMPLETED") in names and ("rl_2", "COMPLETED") in names
+    assert ("served/rl_1", "COMPLETED") in names and ("served/rl_2", "COMPLETED") in names

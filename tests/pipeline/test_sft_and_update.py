@@ -52,6 +52,27 @@ def test_sft_stops_at_dev_target(tiny_model):
     assert [d["accuracy"] for d in res.dev_history] == [0.1, 0.2, 0.9]
 
 
+def test_sft_dev_evals_start_at_min_steps(tiny_model):
+    """With a target, a dev eval before min_steps could not stop training: none is run."""
+    model, tok = tiny_model
+    rows = make_splits(0, n_sft=8, n_rl=1, n_dev=1, n_eval=1).sft
+    calls = iter([0.9, 0.1, 0.95])
+    res = train_sft(
+        model,
+        tok,
+        rows,
+        max_steps=30,
+        batch_size=4,
+        learning_rate=1e-3,
+        dev_eval=lambda: next(calls),
+        target_accuracy=0.5,
+        eval_every=5,
+        min_steps=12,
+    )
+    assert [d["step"] for d in res.dev_history] == [15]
+    assert res.stopped_early and res.steps == 15
+
+
 def _batch(tok, advantages):
     prompts = [[3, 12, 13, 4]] * len(advantages)
     completions = [
@@ -298,6 +319,8 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
             global_step=step,
             total_steps=6,
         )
+        assert up.peak_memory_gib > 0  # logged with every step of the update
+        assert all(h["peak_memory_gib"] == up.peak_memory_gib for h in up.history)
         return up.checkpoint, up.global_step
 
     warm.clear()

@@ -94,9 +94,9 @@ def test_accumulated_micro_batches_make_one_optimizer_step(tiny_model, loss_type
         torch.testing.assert_close(grads[0], whole[0], rtol=1e-4, atol=1e-6)
 
 
-def test_dapo_divides_every_step_by_the_generation_batch_tokens(tiny_model):
-    # TRL: with 4 optimizer steps per generation batch, dapo's step 0 is the micro-batch's
-    # token sum / the tokens of the whole generation batch; bnpo's is the micro-batch's mean
+def test_dapo_divides_every_step_by_its_share_of_the_generation_batch_tokens(tiny_model):
+    # TRL 1.16: with 4 optimizer steps per generation batch, dapo's step 0 is the micro-batch's
+    # token sum / (the generation batch's tokens / 4); bnpo's is the micro-batch's token mean
     model, _ = tiny_model
     big = 1e9  # no gradient clipping, to compare raw gradients
     dapo, _ = _grads_after(
@@ -112,7 +112,7 @@ def test_dapo_divides_every_step_by_the_generation_batch_tokens(tiny_model):
     assert len(dapo) == len(bnpo) == 4
     micro_tokens = len(COMPLETIONS[0]) + len(COMPLETIONS[1])
     batch_tokens = sum(len(c) for c in COMPLETIONS)
-    torch.testing.assert_close(dapo[0], bnpo[0] * micro_tokens / batch_tokens)
+    torch.testing.assert_close(dapo[0], bnpo[0] * micro_tokens / (batch_tokens / 4))
 
 
 def test_config_refuses_accumulation_across_generation_batches():

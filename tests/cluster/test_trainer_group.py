@@ -1,0 +1,208 @@
+"""The GRPO update on the trainer group (``cluster.backend: ray``, 2 Ray actors, gloo) writes the
+checkpoint that the one-process update writes, keeps its actors (and their models) across
+iterations, and a rank killed mid-update gives an error naming the role and the iteration and
+no half-written checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster.config import ClusterConfig, TrainerGroup
+from flows.config import load_config
+
+pytest.importorskip("ray")
+
+OVERRIDES = [
+    "rl.prompts_per_iteration=3",
+    "rl.steps_per_generation=3",  # 3 groups, one per micro-batch: rank 1 idles in one of two
+    "rl.gradient_accumulation_steps=1",
+    "rl.num_iterations=2",
+    "rl.beta=0.04",
+    "rl.learning_rate=1e-3",
+]
+STEPS = 6  # optimizer steps per update: 3 micro-batches x num_iterations 2
+
+
+def _ddp_cases():
+    """tests/distributed/ddp_cases.py: the scored file the data-parallel tests train on."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "distributed" / "ddp_cases.py"
+    spec = importlib.util.spec_from_file_location("_ddp_cases", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def scored_file(directory, groups: int = 3) -> str:
+    """``groups`` groups x 4 completions with rewards varying within each group, scored by
+    the score task in this process (the module's Ray setting is for the update)."""
+    from cluster import runtime
+
+    cfg = runtime.current()
+    runtime.configure(ClusterConfig())
+    try:
+        return _ddp_cases().scored_file(directory, groups)
+    finally:
+        runtime.configure(cfg)
+
+
+@pytest.fixture(scope="module")
+def ray_trainers():
+    """A local Ray (2 CPUs) and the process configured for 2 trainer workers of 1 CPU."""
+    from cluster import runtime, trainer_group
+
+    cfg = ClusterConfig(
+        backend="ray", num_cpus=2, trainer=TrainerGroup(workers=2, num_cpus=1, dist_backend="gloo")
+    )
+    runtime.configure(cfg)
+    runtime.ensure_ray(cfg)
+    yield cfg
+    trainer_group.release()
+    runtime.shutdown()
+    runtime.configure(ClusterConfig())
+
+
+def _weights(checkpoint) -> dict:
+    return load_file(os.path.join(checkpoint, "model.safetensors"))
+
+
+def _chain(tmp_path, tag, tiny_checkpoint, scored, rl, run) -> list:
+    """Two iterations of a stage: the second from the first's checkpoint and trainer state."""
+    out, policy = [], str(tiny_checkpoint)
+    for it in range(2):
+        res = run(
+            iteration=it,
+            policy_checkpoint=policy,
+            scored_path=scored,
+            out_checkpoint=str(tmp_path / tag / f"iter_{it}"),
+            rl=rl,
+            reference_checkpoint=str(tiny_checkpoint),
+            init_checkpoint=str(tiny_checkpoint),
+            global_step=it * STEPS,
+            total_steps=2 * STEPS,
+            stage="rl_1",
+        )
+        out.append(res)
+        policy = res.checkpoint
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_two_trainer_actors_make_the_one_process_update(
+    ray_trainers, tiny_checkpoint, tmp_path, loss_type
+):
+    from cluster import trainer_group
+    from tasks.update import run_update, update_from_file
+
+    scored = scored_file(tmp_path)
+    rl = load_config(None, [*OVERRIDES, f"rl.loss_type={loss_type}"]).rl
+    local = _chain(
+        tmp_path,
+        "local",
+        tiny_checkpoint,
+        scored,
+        rl,
+        lambda iteration, **kw: update_from_file(**kw),
+    )
+    pids = []
+
+    def on_ray(**kw):
+        res = run_update(**kw)
+        pids.append(trainer_group.trainer_group(ray_trainers).pids)
+        return res
+
+    remote = _chain(tmp_path, "ray", tiny_checkpoint, scored, rl, on_ray)
+    assert len(set(pids[0])) == 2 and pids[0] == pids[1]  # 2 actors, kept for the stage
+    before = _weights(tiny_checkpoint)
+    for one, two in zip(local, remote, strict=True):
+        assert two.global_step == one.global_step and len(two.history) == STEPS
+        a, b = _weights(one.checkpoint), _weights(two.checkpoint)
+        assert max(float((a[k] - before[k]).abs().max()) for k in a) > 1e-4  # it trained
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+        for h1, h2 in zip(one.history, two.history, strict=True):
+            assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-4, abs=1e-6)
+    assert not [p for p in os.listdir(tmp_path / "ray") if p.startswith(".")]
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_actor_names_the_role_and_iteration(
+    ray_trainers, tiny_checkpoint, tmp_path
+):
+    from cluster import trainer_group
+    from cluster.trainer_group import TrainerGroupError
+    from tasks.update import run_update
+
+    scored = scored_file(tmp_path)
+    rl = load_config(None, OVERRIDES).rl
+    first = trainer_group.trainer_group(ray_trainers).pids
+
+    def die_on_rank_1(step):  # defined here: Ray ships it by value
+        import signal
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    out = tmp_path / "rl_1" / "iter_0004" / "checkpoint"
+    kw = dict(
+        policy_checkpoint=str(tiny_checkpoint),
+        scored_path=scored,
+        out_checkpoint=str(out),
+        rl=rl,
+        reference_checkpoint=str(tiny_checkpoint),
+        stage="rl_1",
+    )
+    with pytest.raises(TrainerGroupError, match=r"rl_1 iteration 4 update: trainer worker rank 1"):
+        run_update(iteration=4, on_step=die_on_rank_1, **kw)
+    assert not out.exists()
+    assert not out.parent.exists() or os.listdir(out.parent) == []  # nor a temporary one
+    res = run_update(iteration=4, **kw)  # a fresh group takes over
+    assert res.global_step == STEPS and (out / "model.safetensors").exists()
+    assert set(trainer_group.trainer_group(ray_trainers).pids).isdisjoint(first)
+
+
+def test_a_trainer_group_larger_than_the_local_ray_is_refused_at_once(ray_trainers):
+    from cluster import trainer_group
+    from cluster.trainer_group import TrainerGroupError
+
+    big = ray_trainers.model_copy(update={"trainer": TrainerGroup(workers=3, num_cpus=1)})
+    with pytest.raises(
+        TrainerGroupError, match=r"cluster.trainer: 3 worker\(s\) x num_cpus=1 need 3 CPUs"
+    ):
+        trainer_group.trainer_group(big)
+
+
+def test_scoring_beside_a_trainer_group_that_holds_every_cpu_is_refused(ray_trainers, tmp_path):
+    """The trainer actors keep their CPUs between updates: a scoring task needing one would
+    wait forever, so it is refused with the settings to change (it used to hang)."""
+    from cluster import runtime, trainer_group
+    from grpo_core.errors import UserError
+
+    trainer_group.trainer_group(ray_trainers)
+    runtime.configure(ray_trainers)  # scored_file scores in this process; this goes to Ray
+    with pytest.raises(UserError, match=r"cluster.scoring: .* other roles hold 2"):
+        from cluster.scoring import score_sharded
+
+        score_sharded(ray_trainers, ["p"], ["c"], {}, {"f": 1.0}, group_ids=[0], build=dict)
+
+
+def test_a_local_ray_counts_every_role():
+    from cluster.resources import local_num_cpus
+
+    big = ClusterConfig(
+        backend="ray",
+        rollout={"workers": 4, "num_cpus": 1},
+        trainer={"workers": 2, "num_cpus": 2},
+        scoring={"workers": 8, "num_cpus": 0.5},
+    )
+    assert local_num_cpus(big) == max(os.cpu_count(), 12)
+    assert local_num_cpus(big.model_copy(update={"num_cpus": 3})) == 3

@@ -1,0 +1,140 @@
+"""Updates that the data-parallel parity test runs on one process and on N (module-level, so
+that spawned processes can import them by name)."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_core.checkpoint import load_checkpoint
+from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
+from grpo_core.update import build_batch, grpo_update
+
+PROMPT = [3, 12, 13, 4]
+COMPLETIONS = [
+    [5, 12, 6, 7, 13, 8, 2],
+    [5, 13, 6, 7, 12, 8, 2],
+    [5, 12, 12, 6, 2],
+    [5, 6, 7, 8, 2],
+    [5, 12, 6, 2],
+    [5, 13, 6, 7, 12, 8, 12, 6, 2],
+    [5, 6, 2],
+    [5, 7, 8, 12, 13, 2],
+    [5, 8, 8, 2],
+    [5, 12, 13, 12, 13, 6, 7, 2],
+    [5, 7, 2],
+    [5, 6, 12, 13, 8, 2],
+]
+ADV = [1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.3, -0.3, 0.8, -0.8, 0.1, -0.1]
+
+
+def batch(groups: int, pad_id: int):
+    """``groups`` groups of 2 completions of one prompt (the prompt's left padding varies),
+    with made-up rollout-engine log-probs."""
+    n = 2 * groups
+    prompts = [PROMPT[i % 2 :] for i in range(n)]
+    gids = [i // 2 for i in range(n)]
+    engine = [
+        [-1.5 - 0.1 * ((i + k) % 4) for k in range(len(c))] for i, c in enumerate(COMPLETIONS)
+    ]
+    return build_batch(
+        prompts, COMPLETIONS[:n], ADV[:n], pad_id, group_ids=gids, sampling_logprobs=engine[:n]
+    )
+
+
+def cases() -> dict[str, dict]:
+    """name -> (number of groups, UpdateConfig keywords, LossConfig keywords)."""
+    out = {}
+    for lt in ("grpo", "bnpo", "dapo", "dr_grpo"):
+        # 6 groups in 4 micro-batches: [2, 2, 1, 1] groups, so rank 1 has none in the last two
+        out[lt] = dict(
+            groups=6,
+            update=dict(steps_per_generation=4, gradient_accumulation_steps=2),
+            loss=dict(loss_type=lt, max_completion_length=9),
+        )
+        out[f"{lt}-beta-budget-mu2"] = dict(
+            groups=6,
+            update=dict(steps_per_generation=2, num_iterations=2, max_tokens_per_microbatch=24),
+            loss=dict(loss_type=lt, max_completion_length=9, beta=0.1),
+        )
+    out["engine-correction"] = dict(
+        groups=6,
+        update=dict(
+            steps_per_generation=4,
+            gradient_accumulation_steps=2,
+            engine_correction=EngineCorrection(mode="token_truncate", clip_max=3.0),
+        ),
+        loss=dict(loss_type="dapo"),
+    )
+    # 5 groups in one micro-batch: 3 on rank 0, 2 on rank 1
+    out["uneven"] = dict(groups=5, update=dict(), loss=dict(loss_type="bnpo"))
+    out["uneven-adamw"] = dict(groups=5, update=dict(), loss=dict(loss_type="dapo"), adamw=True)
+    return out
+
+
+def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list[dict]]:
+    """One update from the checkpoint: the new weights and the metrics history."""
+    case = cases()[name]
+    model, tok = load_checkpoint(checkpoint)
+    ref = load_checkpoint(checkpoint)[0] if case["loss"].get("beta", 0) > 0 else None
+    if case.get("adamw"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cfg = UpdateConfig(loss=LossConfig(**case["loss"]), **case["update"])
+    history = grpo_update(
+        model,
+        opt,
+        None,
+        batch(case["groups"], tok.pad_token_id),
+        cfg,
+        ref_model=ref,
+        data_parallel=data_parallel,
+    )
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, history
+
+
+def run_all(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> None:
+    """Every case on this rank; each rank saves what it ended with."""
+    results = {name: run_case(name, checkpoint, data_parallel) for name in names}
+    torch.save(results, f"{out_dir}/rank{data_parallel.rank}.pt")
+
+
+def column_reward(prompts, completions, r, **_):
+    return list(r)
+
+
+def scored_file(directory, groups: int = 3) -> str:
+    """A scored Parquet of ``groups`` groups x 4 completions, rewards varying within groups,
+    written by the score task from a rollouts file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.score import score_file
+
+    rows = []
+    for g in range(groups):
+        for s in range(4):
+            n = 3 + (s + g) % 3
+            rows.append(
+                {
+                    "prompt_id": f"p{g}",
+                    "group_idx": g,
+                    "sample_idx": s,
+                    "prompt": f"{g}+{g}=",
+                    "prompt_text": f"{g}+{g}=",
+                    "completion": "x" * n,
+                    "prompt_ids": [3, 4 + g, 5][g % 2 :],
+                    "completion_ids": [6 + (s + k + g) % 5 for k in range(n)] + [2],
+                    "completion_logprobs": [-1.0] * (n + 1),
+                    "completion_length": n + 1,
+                    "finish_reason": "stop",
+                    "policy_id": "p",
+                    "iteration": 0,
+                    "r": float((s + g) % 2) + 0.1 * s,
+                }
+            )
+    rollouts = f"{directory}/rollouts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), rollouts)
+    out = f"{directory}/scored.parquet"
+    score_file(rollouts, out, {f"{__file__}:column_reward": 1.0})
+    return out

@@ -1,0 +1,62 @@
+"""``torchrun --nproc-per-node 2 -m flows.ddp_update`` on a scored file and a checkpoint writes
+the checkpoint that the one-process update (``tasks.update.update_from_file``) writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from ddp_cases import scored_file
+from safetensors.torch import load_file
+
+from flows.config import load_config
+
+OVERRIDES = [
+    "rl.prompts_per_iteration=3",
+    "rl.steps_per_generation=3",  # 3 groups -> one per micro-batch: rank 1 idles in one of two
+    "rl.gradient_accumulation_steps=1",
+    "rl.num_iterations=2",
+    "rl.beta=0.04",
+    "rl.loss_type=dapo",
+    "rl.learning_rate=1e-3",
+]
+
+
+def _weights(checkpoint) -> dict:
+    return load_file(os.path.join(checkpoint, "model.safetensors"))
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_write_the_one_process_checkpoint(tiny_checkpoint, tmp_path):
+    from grpo_core.checkpoint import load_trainer_state
+    from tasks.update import update_from_file
+
+    scored = scored_file(tmp_path)
+    rl = load_config(None, OVERRIDES).rl
+    one = update_from_file(
+        str(tiny_checkpoint), scored, str(tmp_path / "one"), rl,
+        reference_checkpoint=str(tiny_checkpoint),
+    )  # fmt: skip
+    args = ["--policy", str(tiny_checkpoint), "--scored", scored, "--out", str(tmp_path / "two")]
+    for o in OVERRIDES:
+        args += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "flows.ddp_update", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["steps"] == len(one.history) == 6
+    assert summary["loss"] == pytest.approx(one.history[-1]["loss"], rel=1e-4, abs=1e-6)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert load_trainer_state(tmp_path / "two")["global_step"] == one.global_step
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".") or "tmp" in p]
