@@ -1,0 +1,156 @@
+"""Our side of benchmarks/bench_vs_trl.py, one child process per call.
+
+python benchmarks/_our_side.py start --config C --set ... --start START.json ...
+    the shared start: `prepare` and the cold-start SFT of the pipeline (stage cache:
+    a second call with the same settings reuses them); writes START.json with the
+    paths of the `cold_start_sft` checkpoint, `rl.jsonl` and `eval.jsonl`
+python benchmarks/_our_side.py run --config C --set ... --start START.json ...
+    the rl_1 stage (flows/rl.py) on that checkpoint, as `grpo run` runs it (Prefect
+    server, MLflow parent run), timed as a whole; rollout / score / update seconds come
+    from the stage's own MLflow metrics; then the held-out eval of the final weights
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import (  # noqa: E402
+    heldout_accuracy,
+    load,
+    peak_rss_mib,
+    set_threads,
+    side_args,
+    write_result,
+)
+
+TIMING_KEYS = {
+    "rollout": "timing/rollout_s",
+    "score": "timing/score_s",
+    "update": "timing/update_s",
+}
+
+
+def _tracking(cfg, ws_root: Path, run_name: str):
+    from tasks.tracking import Tracking
+
+    uri = f"sqlite:///{ws_root.resolve() / 'mlflow.db'}"
+    tracking = Tracking.open(uri, cfg.tracking.experiment)
+    return tracking.start_parent(run_name, {"pipeline": "bench_vs_trl"}, params=cfg.model_dump())
+
+
+def make_start(args) -> None:
+    cfg = load(args.config, args.set)
+    from flows.env import apply_defaults
+
+    apply_defaults(args.run_dir, flow_logs=False)
+    set_threads(args.threads)
+    from tasks.prepare import prepare
+    from tasks.sft import sft_stage
+    from tasks.workspace import Workspace
+
+    ws = Workspace.create(args.run_dir, "start")
+    tracking = _tracking(cfg, Path(args.run_dir), "start")
+    data = prepare.fn(cfg.data, cfg.model, cfg.seed, ws)
+    sft = sft_stage.fn(
+        "cold_start_sft",
+        data["base"],
+        data["sft"],
+        str(ws.checkpoint("cold_start_sft")),
+        cfg.sft,
+        tracking,
+        dev_path=data.get("dev"),
+        max_completion_length=cfg.eval.max_completion_length,
+        seed=cfg.seed,
+    )
+    tracking.end(tracking.parent_run_id)
+    write_result(
+        args.start,
+        {
+            "checkpoint": sft.checkpoint,
+            "rl": data["rl"],
+            "eval": data["eval"],
+            "sft_cached": sft.cached,
+            "seed": cfg.seed,
+        },
+    )
+
+
+def run_rl(args) -> None:
+    import json
+
+    cfg = load(args.config, args.set)
+    start = json.loads(Path(args.start).read_text())
+    from flows import local_server
+    from flows.env import apply_defaults
+
+    apply_defaults(args.run_dir, flow_logs=False)
+    server = local_server.start()  # as `grpo run`: started before the heavy imports
+    set_threads(args.threads)
+    from flows.rl import rl_stage
+    from tasks import warm
+    from tasks.workspace import Workspace
+
+    # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/warm.py)
+    warm.configure(cfg.model)
+    warm.get(start["checkpoint"])
+
+    run_dir = Path(args.run_dir)
+    ws = Workspace.create(run_dir, "ours")  # a fresh run folder: nothing cached
+    tracking = _tracking(cfg, run_dir, "ours")
+    with local_server.attach(server):
+        t0 = time.perf_counter()
+        out = rl_stage(
+            "rl_1",
+            start["checkpoint"],
+            cfg.rl,
+            rl_path=start["rl"],
+            eval_path=start["eval"],
+            eval_cfg=cfg.eval,
+            weights=cfg.rewards,
+            ws=ws,
+            tracking=tracking,
+            seed=cfg.seed,
+            engine=cfg.rollout.engine_spec(),
+            eval_engine=cfg.rollout.engine_spec(cfg.eval.engine),
+        )
+        wall = time.perf_counter() - t0
+    rss = peak_rss_mib()
+    client = tracking.client
+    parts = {
+        name: sum(m.value for m in client.get_metric_history(out["run_id"], key))
+        for name, key in TIMING_KEYS.items()
+    }
+    lengths = client.get_metric_history(out["run_id"], "completions/mean_length")
+    per_iter = cfg.rl.prompts_per_iteration * cfg.rl.num_generations
+    tokens = sum(m.value for m in lengths) * per_iter
+    tracking.end(tracking.parent_run_id)
+    acc = heldout_accuracy(out["checkpoint"], None, cfg, start["eval"])
+    write_result(
+        args.out,
+        {
+            "side": "ours",
+            "seed": cfg.seed,
+            "wall_s": wall,
+            "generation_s": parts["rollout"],
+            "score_s": parts["score"],
+            "update_s": parts["update"],
+            "other_s": wall - sum(parts.values()),
+            "completion_tokens": tokens,
+            "trained_tokens": tokens,
+            "optimizer_steps": out["global_step"],
+            "peak_rss_mib": rss,
+            **acc,
+        },
+    )
+
+
+if __name__ == "__main__":
+    command = sys.argv.pop(1) if len(sys.argv) > 1 else ""
+    if command not in ("start", "run"):
+        sys.exit("usage: _our_side.py start|run --config C --start S --run-dir D --out F ...")
+    a = side_args(__doc__.split("\n\n")[0])
+    (make_start if command == "start" else run_rl)(a)
