@@ -190,6 +190,13 @@ class RLConfig(TrainingKnobs):
         "ones; auto: the sampler's when they are the same numbers (hf engine, same policy, "
         "float32, unprocessed distribution: grpo_core/old_logprobs.py)",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="skip the forward and backward of completions whose loss is zero whatever "
+        "the weights (advantage 0 with beta 0 and top_entropy_quantile 1, or no token that "
+        "counts); the loss normaliser still counts them, so the update is the same; the "
+        "entropy metric is then measured on the completions that carry gradient",
+    )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
@@ -298,6 +305,7 @@ class RLConfig(TrainingKnobs):
             lm_head=self.lm_head,
             bf16=self.bf16,
             fp16=self.fp16,
+            skip_zero_advantage=self.skip_zero_advantage,
         )
 
     @model_validator(mode="after")

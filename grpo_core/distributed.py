@@ -37,9 +37,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_core.batch import UpdateBatch
+from grpo_core.step_metrics import SKIPPED_METRICS, SUMMED_METRICS, combine
 
 BUCKET_ELEMENTS = 25_000_000  # gradient elements per all-reduce (DDP's 25 MB-ish buckets)
-SUMMED_METRICS = ("loss", "policy_loss")  # as grpo_core.update: parts of one objective
 
 
 @dataclass
@@ -158,10 +158,16 @@ class DataParallel:
         ranks = self.gather(list(zip(window, tokens, strict=True)))
         merged = []
         for j in range(len(window)):
-            parts = [r[j] for r in ranks if r[j][0]]  # (metrics, tokens) of ranks with rows
+            # (metrics, tokens) of the ranks with rows; a rank that skipped all of them adds
+            # no loss and no clipped token (grpo_core.step_metrics)
+            parts = [
+                (SKIPPED_METRICS if m.get("skipped") else m, t)
+                for m, t in (r[j] for r in ranks)
+                if m
+            ]
             out = {}
-            for key in parts[0][0]:
-                values = [(m[key], t) for m, t in parts]
+            for key in dict.fromkeys(k for m, _ in parts for k in m):
+                values = [(m[key], t) for m, t in parts if key in m]
                 if key in SUMMED_METRICS:
                     out[key] = sum(v for v, _ in values)
                 else:
@@ -172,11 +178,7 @@ class DataParallel:
                         else sum(v for v, _ in values) / len(values)
                     )
             merged.append(out)
-        step = {}
-        for key in merged[0]:
-            values = [m[key] for m in merged]
-            step[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
-        return step
+        return combine(merged)
 
     def importance_metrics(self, metrics: dict, tokens: float) -> dict:
         """``engine_importance_weights``' metrics over every rank: min of mins, max of maxes,

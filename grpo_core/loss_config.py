@@ -62,6 +62,10 @@ class UpdateConfig:
     # where old log-probs come from when needed: a no-grad forward ("recompute") or the
     # batch's sampling log-probs ("sampler"; grpo_core.old_logprobs says when that is exact)
     old_logprobs: str = "recompute"
+    # rows whose loss is zero whatever the weights (advantage 0 with beta 0 and no entropy
+    # quantile, or no completion token that counts) skip the forward and backward; the
+    # normaliser still counts them, so the gradient is the same (grpo_core.update)
+    skip_zero_advantage: bool = True
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in ("recompute", "sampler"):

@@ -13,6 +13,13 @@ Memory: each micro-batch may run in physical chunks of at most ``max_tokens_per_
 padded tokens, each divided by the micro-batch's normaliser (the gradient is the unsplit one);
 log-probs come from the hidden states through the LM head in chunks (``grpo_core.lm_head``);
 ``bf16``/``fp16`` autocast the forward (``grpo_core.precision``).
+Zero-gradient rows: with ``beta = 0`` and no top-entropy mask, a completion whose advantage is
+0 (every completion of a group without reward variance) or that has no token that counts has a
+per-token loss of exactly 0 whatever the weights, so ``skip_zero_advantage`` (default on) leaves
+it out of the forward and backward passes (and of the old log-prob pass) while the normaliser
+still counts it: the gradient is the one of the full batch. An optimizer step whose rows were
+all skipped still steps, on zero gradients, as the full batch would. Metrics: the clip ratios
+are rescaled to the whole micro-batch's tokens; ``entropy`` is measured on the rows that ran.
 Departures from the paper: advantages come precomputed from the scored Parquet (so an
 offline update can use any scored file); dropout is off by default (``disable_dropout``, TRL's
 option, off by default there), so that pi_old and pi_theta are the same function at step 0.
@@ -33,6 +40,7 @@ from grpo_core.losses import micro_batch_normaliser, policy_loss
 from grpo_core.model_logprobs import model_logprobs
 from grpo_core.precision import Precision
 from grpo_core.sampling_filters import top_entropy_mask
+from grpo_core.step_metrics import combine
 
 __all__ = ["UpdateBatch", "batched_logprobs", "build_batch", "completion_logprobs", "grpo_update"]
 
@@ -119,6 +127,45 @@ def disable_dropout(model) -> None:
             module.attention_dropout = 0.0
 
 
+def skips_zero_loss_rows(cfg: UpdateConfig) -> bool:
+    """Whether rows with a zero advantage (or no token that counts) have a zero loss under
+    ``cfg`` and ``skip_zero_advantage`` leaves them out (module docstring)."""
+    return cfg.skip_zero_advantage and cfg.loss.beta == 0 and cfg.top_entropy_quantile == 1.0
+
+
+def live_rows(batch: UpdateBatch) -> Tensor:
+    """Bool ``[n]``: rows with a non-zero advantage and at least one completion token that
+    counts (the others have a zero loss when :func:`skips_zero_loss_rows`)."""
+    adv = batch.advantages.reshape(batch.size, -1)  # [n, 1] or [n, T]
+    return adv.ne(0).any(-1) & batch.completion_mask.bool().any(-1)
+
+
+def _old_logprobs_of_live_rows(model, batch: UpdateBatch, **nograd) -> Tensor:
+    """``batched_logprobs`` of the live rows only, zeros for the others (never read)."""
+    live = live_rows(batch).nonzero().squeeze(-1)  # [m]
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)  # [N, T]
+    if len(live):
+        part = batched_logprobs(model, batch.slice(live), **nograd)  # [m, T]
+        out = out.to(part.dtype)
+        out[live] = part
+    return out
+
+
+def _zero_missing_grads(model) -> None:
+    """Zero gradients where none were computed: a window whose rows were all skipped steps
+    the optimizer as the full batch's zero gradients would (AdamW moments, weight decay)."""
+    for p in model.parameters():
+        if p.requires_grad and p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def _all_skipped(window: list[dict]) -> bool:
+    """No micro-batch of the optimizer step ran a backward pass, and some skipped theirs
+    (``{}``: a data-parallel rank without rows in that micro-batch)."""
+    ran = any(m and not m.get("skipped") for m in window)
+    return not ran and any(m.get("skipped") for m in window)
+
+
 def _accumulation_plan(cfg: UpdateConfig, n_groups: int) -> tuple[int, int]:
     """``(micro_batches, accumulation)`` of one pass. With fewer groups than
     ``steps_per_generation`` (dynamic sampling dropped some), keep as many optimizer steps as
@@ -198,6 +245,8 @@ def grpo_update(
             if batch.sampling_logp is None:
                 raise ValueError("old_logprobs='sampler' needs the batch's sampling_logp")
             old_logp = batch.sampling_logp
+        elif skips_zero_loss_rows(cfg) and cfg.engine_correction is None:
+            old_logp = _old_logprobs_of_live_rows(model, batch, **nograd)
         else:
             old_logp = batched_logprobs(model, batch, **nograd)
     ref_logp = None
@@ -220,6 +269,7 @@ def grpo_update(
     history: list[dict] = []
     window: list[dict] = []
     window_tokens: list[float] = []
+    skip_rows = skips_zero_loss_rows(cfg)
     optimizer.zero_grad(set_to_none=True)
     for _ in range(cfg.num_iterations):
         for j, idx in enumerate(slices):
@@ -234,11 +284,14 @@ def grpo_update(
                     ref_logp=_rows(ref_logp, idx, device),
                     is_weights=_rows(is_weights, idx, device),
                     norm=norms[j],
+                    skip_rows=skip_rows,
                 )
             window.append(metrics)
             window_tokens.append(float(batch.completion_mask[idx].sum()))
             if (j + 1) % accumulation:
                 continue
+            if skip_rows and _all_skipped(window):
+                _zero_missing_grads(model)
             if dp is not None:
                 dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
             precision.unscale_(optimizer)
@@ -269,12 +322,35 @@ def _micro_batch(
     ref_logp: Tensor | None,
     is_weights: Tensor | None,
     norm: Tensor | int,
+    skip_rows: bool = False,
 ) -> dict:
     """Forward and backward of one logical micro-batch, in physical chunks of at most
     ``cfg.max_tokens_per_microbatch`` padded tokens. Every chunk's loss is divided by the
     logical micro-batch's normaliser ``norm``, so the accumulated gradient is the unsplit one; the
     metrics are those of the whole micro-batch (recomputed from the chunks' detached
-    log-probs when it was split)."""
+    log-probs when it was split). ``skip_rows``: rows with a zero loss are left out
+    (module docstring); ``{"skipped": True}`` when that is all of them."""
+    if skip_rows:
+        live = live_rows(mb)  # [n]
+        if not bool(live.all()):
+            idx = live.nonzero().squeeze(-1)  # [m]
+            if len(idx) == 0:
+                return {"skipped": True}
+            share = float(mb.completion_mask[idx].sum() / mb.completion_mask.sum())
+            on = idx.to(old_logp.device) if old_logp is not None else idx
+            metrics = _micro_batch(
+                model,
+                mb.slice(idx),
+                cfg,
+                precision,
+                old_logp=None if old_logp is None else old_logp[on],
+                ref_logp=None if ref_logp is None else ref_logp[on],
+                is_weights=None if is_weights is None else is_weights[on],
+                norm=norm,
+            )
+            for key in [k for k in metrics if k.startswith("clip_ratio/")]:
+                metrics[key] *= share  # skipped rows are never clipped: a mean over all tokens
+            return metrics
     device = model.device
     mask = mb.completion_mask.to(device)  # [n, T]
     adv = mb.advantages.to(device)  # [n]
@@ -343,13 +419,6 @@ def _forward(model, mb: UpdateBatch, rows: Tensor, cfg: UpdateConfig, precision:
         )
 
 
-SUMMED_METRICS = ("loss", "policy_loss")  # parts of one step's objective; the rest are means
-
-
 def _window_metrics(window: list[dict]) -> dict:
     """One optimizer step's metrics from its micro-batches'."""
-    out = {}
-    for key in window[0]:
-        values = [m[key] for m in window]
-        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
-    return out
+    return combine(window)

@@ -27,9 +27,10 @@ COMPLETIONS = [
 ADV = [1.0, -1.0, 0.5, -0.5, 1.2, -1.2, 0.3, -0.3, 0.8, -0.8, 0.1, -0.1]
 
 
-def batch(groups: int, pad_id: int):
+def batch(groups: int, pad_id: int, adv: list[float] | None = None):
     """``groups`` groups of 2 completions of one prompt (the prompt's left padding varies),
     with made-up rollout-engine log-probs."""
+    adv = ADV if adv is None else adv
     n = 2 * groups
     prompts = [PROMPT[i % 2 :] for i in range(n)]
     gids = [i // 2 for i in range(n)]
@@ -37,7 +38,7 @@ def batch(groups: int, pad_id: int):
         [-1.5 - 0.1 * ((i + k) % 4) for k in range(len(c))] for i, c in enumerate(COMPLETIONS)
     ]
     return build_batch(
-        prompts, COMPLETIONS[:n], ADV[:n], pad_id, group_ids=gids, sampling_logprobs=engine[:n]
+        prompts, COMPLETIONS[:n], adv[:n], pad_id, group_ids=gids, sampling_logprobs=engine[:n]
     )
 
 
@@ -65,6 +66,23 @@ def cases() -> dict[str, dict]:
         ),
         loss=dict(loss_type="dapo"),
     )
+    # groups without reward variance (advantage 0) are skipped (grpo_core.update): micro-batches
+    # [g0 g1][g2 g3][g4][g5]; rank 1 skips all its rows of the first optimizer step, and with
+    # "all-zero-step" every rank skips every row of the second (AdamW still steps)
+    zero = [0.0] * 12
+    out["zero-advantage"] = dict(
+        groups=6,
+        update=dict(steps_per_generation=4, gradient_accumulation_steps=2),
+        loss=dict(loss_type="bnpo"),
+        adv=ADV[:2] + zero[:6] + ADV[8:10] + zero[:2],
+    )
+    out["zero-advantage-all-zero-step-adamw"] = dict(
+        groups=6,
+        update=dict(steps_per_generation=4, gradient_accumulation_steps=2),
+        loss=dict(loss_type="dapo"),
+        adv=ADV[:2] + zero[:10],
+        adamw=True,
+    )
     # 5 groups in one micro-batch: 3 on rank 0, 2 on rank 1
     out["uneven"] = dict(groups=5, update=dict(), loss=dict(loss_type="bnpo"))
     out["uneven-adamw"] = dict(groups=5, update=dict(), loss=dict(loss_type="dapo"), adamw=True)
@@ -85,7 +103,7 @@ def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list
         model,
         opt,
         None,
-        batch(case["groups"], tok.pad_token_id),
+        batch(case["groups"], tok.pad_token_id, case.get("adv")),
         cfg,
         ref_model=ref,
         data_parallel=data_parallel,

@@ -1,0 +1,26 @@
+"""One optimizer step's metrics from those of its micro-batches (one process or N ranks)."""
+
+from __future__ import annotations
+
+SUMMED_METRICS = ("loss", "policy_loss")  # parts of one step's objective; the rest are means
+
+# what a micro-batch whose rows all had a zero loss adds (grpo_core.update, zero-gradient
+# rows): nothing to the loss, no clipped token; its entropy was not measured
+SKIPPED_METRICS = {
+    "loss": 0.0,
+    "policy_loss": 0.0,
+    "clip_ratio/low_mean": 0.0,
+    "clip_ratio/high_mean": 0.0,
+    "clip_ratio/region_mean": 0.0,
+}
+
+
+def combine(micro_batches: list[dict]) -> dict:
+    """Loss parts summed, other metrics averaged over the micro-batches that have them; a
+    micro-batch marked ``{"skipped": True}`` counts as :data:`SKIPPED_METRICS`."""
+    rows = [SKIPPED_METRICS if m.get("skipped") else m for m in micro_batches]
+    out = {}
+    for key in dict.fromkeys(k for m in rows for k in m):
+        values = [m[key] for m in rows if key in m]
+        out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
+    return out
