@@ -124,6 +124,7 @@ def run_rl(args) -> None:
         name: sum(m.value for m in client.get_metric_history(out["run_id"], key))
         for name, key in TIMING_KEYS.items()
     }
+    evals = sum(m.value for m in client.get_metric_history(out["run_id"], "timing/eval_s"))
     lengths = client.get_metric_history(out["run_id"], "completions/mean_length")
     per_iter = cfg.rl.prompts_per_iteration * cfg.rl.num_generations
     tokens = sum(m.value for m in lengths) * per_iter
@@ -139,6 +140,7 @@ def run_rl(args) -> None:
             "score_s": parts["score"],
             "update_s": parts["update"],
             "other_s": wall - sum(parts.values()),
+            "eval_s": evals,  # the stage's held-out evals (rl.eval_every), part of other_s
             "completion_tokens": tokens,
             "trained_tokens": tokens,
             "optimizer_steps": out["global_step"],

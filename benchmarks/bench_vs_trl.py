@@ -102,7 +102,7 @@ def fmt_row(r: dict, ours_wall: float | None) -> str:
     gen_tps = r["completion_tokens"] / max(r["generation_s"], 1e-9)
     upd_tps = r["trained_tokens"] / max(r["update_s"], 1e-9)
     ratio = f"{r['wall_s'] / ours_wall:.2f}" if ours_wall and r["side"] == "trl" else ""
-    overhead = f"{100 * r['other_s'] / r['wall_s']:.1f}%"
+    overhead = f"{100 * r['other_s'] / r['wall_s']:.1f}%; evals {r.get('eval_s', 0.0):.1f}"
     return (
         f"| {r['side']} | {r['seed']} | {r['wall_s']:.1f} | {r['generation_s']:.1f} "
         f"| {r['update_s']:.1f} + {r['score_s']:.1f} | {r['other_s']:.1f} ({overhead}) "
@@ -114,7 +114,7 @@ def fmt_row(r: dict, ours_wall: float | None) -> str:
 def table(rows: list[dict]) -> str:
     """Markdown: one line per run, then the means per side and the TRL / ours ratio."""
     lines = [
-        "| side | seed | wall s | generation s | update + score s | other s (share) "
+        "| side | seed | wall s | generation s | update + score s | other s (share; in-loop evals s) "
         "| gen tok/s | update tok/s | peak RSS MiB | held-out pass@1 (rows) | TRL wall / ours |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -123,6 +123,7 @@ def rl_stage(
         _prune(ws, stage, it)
         last = it == rl.iterations - 1
         if (it + 1) % rl.eval_every == 0 or last:
+            t_eval = time.perf_counter()
             ev = evaluate_checkpoint(
                 policy,
                 eval_path,
@@ -140,7 +141,7 @@ def rl_stage(
                 }
             )
             eval_metrics = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
-            metrics.add(eval_metrics, step)
+            metrics.add({**eval_metrics, "timing/eval_s": time.perf_counter() - t_eval}, step)
             group.end(step, eval_metrics, policy_id(policy))
             # tables the MLflow UI pages through: training completions with their rewards,
             # and held-out completions, at this eval point

@@ -39,10 +39,16 @@ def _load(path: str, size: int, mtime_ns: int) -> list[dict]:
 def select_prompts(n_rows: int, k: int, iteration: int, seed: int, stage: str) -> list[int]:
     """Row indices for one iteration: consecutive slices of a seeded permutation, so each
     iteration is reproducible alone and prompts repeat only after an epoch."""
-    perm = list(range(n_rows))
-    random.Random(seed * 1_000_003 + zlib.crc32(stage.encode())).shuffle(perm)
+    perm = _permutation(n_rows, seed, stage)
     start = (iteration * k) % n_rows
     return [perm[(start + j) % n_rows] for j in range(k)]
+
+
+@functools.lru_cache(maxsize=4)
+def _permutation(n_rows: int, seed: int, stage: str) -> tuple[int, ...]:
+    perm = list(range(n_rows))
+    random.Random(seed * 1_000_003 + zlib.crc32(stage.encode())).shuffle(perm)
+    return tuple(perm)
 
 
 def sample_rollouts(

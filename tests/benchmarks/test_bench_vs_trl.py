@@ -70,10 +70,14 @@ def test_a_budget_below_one_or_a_missing_config_is_refused(capsys):
 
 def test_the_table_gives_the_ratio_and_our_orchestration_share():
     rows = [row("ours", 0, 40.0, 2.0, 0.85), row("trl", 0, 60.0, 0.5, 0.84)]
+    rows[0]["eval_s"] = 1.5  # our stage's in-loop evals, part of its other time
     text = bench.table(rows)
     lines = text.splitlines()
     assert lines[0].startswith("| side | seed | wall s |")
-    assert lines[2].startswith("| ours | 0 | 40.0 | 10.0 | 27.0 + 1.0 | 2.0 (5.0%) | 500 |")
+    assert lines[2].startswith(
+        "| ours | 0 | 40.0 | 10.0 | 27.0 + 1.0 | 2.0 (5.0%; evals 1.5) | 500 |"
+    )
+    assert "| 0.5 (0.8%; evals 0.0) |" in lines[3]  # TRL: no eval inside train()
     assert lines[3].endswith("| 84.0% (200) | 1.50 |")  # TRL wall / our wall of its seed
     assert "orchestration share 5.0%" in text
     assert "TRL wall / our wall: 1.50x" in text
