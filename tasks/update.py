@@ -244,14 +244,14 @@ def update(
             init_checkpoint=init_checkpoint,
             seed=seed,
         )
-        last = out.history[-1] if out.history else {"loss": math.nan, "entropy": math.nan}
+        last = out.history[-1] if out.history else {}
         logger(__name__).info(
             "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs, peak %.2f GiB",
             stage,
             iteration,
             len(out.history),
-            last["loss"],
-            last["entropy"],
+            last.get("loss", math.nan),
+            last.get("entropy", math.nan),  # not measured when every row was skipped
             out.seconds,
             out.peak_memory_gib,
         )

@@ -132,3 +132,23 @@ def test_kl_or_an_entropy_quantile_turns_skipping_off(tiny_model):
     assert _run(model, cfg)[3] == _run(model, _config(False, top_entropy_quantile=0.5))[3]
     kl = {"beta": 0.1}
     assert _run(model, _config(True, loss=kl))[3] == _run(model, _config(False, loss=kl))[3]
+
+
+def test_the_update_task_reports_a_last_step_whose_rows_were_all_skipped(tiny_checkpoint, tmp_path):
+    """The second (last) optimizer step has only a group without reward variance: it steps
+    on zero gradients, has loss 0 and no entropy (not measured), and the task logs it."""
+    from test_score_filters import _rollouts, _weights
+
+    from grpo_core.config import RLConfig
+    from tasks.score import score_file
+    from tasks.update import update
+
+    groups = [[(1.0, 0.0, 4), (0.0, 0.0, 5)], [(1.0, 0.0, 4), (1.0, 0.0, 6)]]
+    scored = tmp_path / "scored.parquet"
+    score_file(_rollouts(tmp_path / "r.parquet", groups), str(scored), _weights(1.0, 0.0))
+    rl = RLConfig(prompts_per_iteration=2, num_generations=2, steps_per_generation=2)
+    up = update.fn("rl_1", 0, str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    assert len(up.history) == 2
+    assert "entropy" in up.history[0] and "entropy" not in up.history[1]
+    assert up.history[1]["loss"] == 0.0 and up.history[1]["clip_ratio/region_mean"] == 0.0
+    assert (tmp_path / "ckpt" / "model.safetensors").exists()
