@@ -12,7 +12,6 @@ over the stage's optimizer steps.
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass, field
 
@@ -21,7 +20,7 @@ from prefect import flow
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
-from grpo_core.io import atomic_path
+from grpo_core.io import atomic_path, link_tree
 from tasks import warm
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
@@ -160,7 +159,7 @@ def rl_stage(
     final = ws.checkpoint(stage)
     if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
         with atomic_path(final) as tmp:
-            shutil.copytree(policy, tmp)
+            link_tree(policy, tmp)  # hard links: the iteration's files are never rewritten
     warm.relabel(final)  # same weights as the last iteration's checkpoint
     stage_tags = {
         "policy_id": policy_id(final),

@@ -43,6 +43,24 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
             tmp.unlink()
 
 
+def link_tree(src: str | Path, dst: str | Path) -> Path:
+    """``dst`` as a copy of the directory ``src`` whose files are hard links to ``src``'s
+    (a real copy where a link cannot be made: another file system, no link support).
+
+    Only for trees whose files are never modified in place (checkpoints: every file is
+    written once, through :func:`atomic_path`), so the two names can share one file: a
+    stage's final checkpoint costs no copy of the weights and optimizer state."""
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, dst, copy_function=link_or_copy)
+    return Path(dst)
+
+
 def write_parquet(table: pa.Table, path: str | Path) -> Path:
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)

@@ -201,6 +201,12 @@ def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
     # rl_2's AdamW starts at rl_2's first step: 2 optimizer steps per iteration
     for root in (resumed, tmp_path / "uninterrupted"):
         assert _adam_step(root / "runs/r/rl_2/iter_0001/checkpoint") == 4
+    # the stage's final checkpoint is its last iteration's files, hard-linked, not copied
+    root = tmp_path / "uninterrupted/runs/r"
+    last_iteration = max((root / "rl_2").glob("iter_*")) / "checkpoint"
+    for name in ("model.safetensors", "trainer_state.pt"):
+        final, last = root / "checkpoints/rl_2" / name, last_iteration / name
+        assert final.stat().st_ino == last.stat().st_ino, name
     print(
         f"kill/rerun test: {time.perf_counter() - t0:.0f}s; "
         f"{len(leftovers)} processes outlived the 4 killed runs: {leftovers}"
