@@ -32,6 +32,8 @@ from tasks.update import update
 from tasks.workspace import Workspace
 
 KEEP_ITERATION_CHECKPOINTS = 2
+# while a stage trains, its curves reach MLflow at most this often (and at its end)
+METRICS_FLUSH_S = 10.0
 
 
 @flow(name="rl-stage", flow_run_name="{tracking.run_name}/{stage}")
@@ -155,7 +157,7 @@ def rl_stage(
                 scored.metrics["reward"],
             )
         if not it_cached:  # live curves while training; replayed history goes in one call
-            metrics.flush()
+            metrics.flush_every(METRICS_FLUSH_S)
     final = ws.checkpoint(stage)
     if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
         with atomic_path(final) as tmp:

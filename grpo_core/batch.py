@@ -111,26 +111,28 @@ def build_batch(
 ) -> UpdateBatch:
     """Pad rollouts into an :class:`UpdateBatch`. ``truncated`` rows get an all-zero mask
     (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous."""
+    import numpy as np  # row-by-row fills in numpy: ~10x fewer tiny torch ops
+
     N = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completion_ids))
-    ids = torch.full((N, P + T), pad_id, dtype=torch.long)
-    attn = torch.zeros((N, P + T), dtype=torch.long)
-    comp_mask = torch.zeros((N, T), dtype=torch.float32)
+    ids = np.full((N, P + T), pad_id, dtype=np.int64)
+    attn = np.zeros((N, P + T), dtype=np.int64)
+    comp = np.zeros((N, T), dtype=np.float32)
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=True)):
-        ids[i, P - len(p) : P] = torch.tensor(p)
-        attn[i, P - len(p) : P] = 1
-        if c:
-            ids[i, P : P + len(c)] = torch.tensor(c)
-            attn[i, P : P + len(c)] = 1
-            comp_mask[i, : len(c)] = 1.0
+        ids[i, P - len(p) : P] = p
+        attn[i, P - len(p) : P + len(c)] = 1
+        ids[i, P : P + len(c)] = c
+        comp[i, : len(c)] = 1.0
+    ids, attn, comp_mask = torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(comp)
     if truncated is not None:
         comp_mask = mask_truncated_completions(comp_mask, torch.tensor(truncated, dtype=torch.bool))
     adv = torch.tensor(advantages, dtype=torch.float32)
     gids = None if group_ids is None else torch.tensor(group_ids, dtype=torch.long)
     samp = None
     if sampling_logprobs is not None:
-        samp = torch.zeros((N, T), dtype=torch.float32)
+        samp_np = np.zeros((N, T), dtype=np.float32)
         for i, lp in enumerate(sampling_logprobs):
-            samp[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+            samp_np[i, : len(lp)] = lp
+        samp = torch.from_numpy(samp_np)
     return UpdateBatch(ids, attn, ids[:, P:], comp_mask, adv, P, gids, samp)

@@ -34,11 +34,11 @@ def _peft():
 
 
 def is_peft(model) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+    import sys
+
+    # a PeftModel exists only once peft is imported: no import (about 0.5 s) just to check
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
 
 
 def attach_adapter(model, cfg: LoraConfig, *, quantized: bool = False):

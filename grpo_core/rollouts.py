@@ -81,14 +81,17 @@ def rollout_table(
     """Rows of the rollout contract; ``rows[i]``'s other columns are passed through. The
     metadata records the tokenizer's fingerprint (:func:`tokenizer_fingerprint`)."""
     records = []
+    # once per prompt, not once per completion (the chat template is rendered in Python)
+    hashes = {i: prompt_hash(rows[i]["prompt"]) for i in {s.prompt_index for s in samples}}
+    texts = {i: prompt_text(tokenizer, rows[i]["prompt"]) for i in hashes}
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
-            "prompt_id": prompt_hash(row["prompt"]),
+            "prompt_id": hashes[s.prompt_index],
             "group_idx": s.prompt_index,
             "sample_idx": s.sample_index,
             "prompt": row["prompt"],
-            "prompt_text": prompt_text(tokenizer, row["prompt"]),
+            "prompt_text": texts[s.prompt_index],
             "completion": decode_completion(tokenizer, s.completion_ids),
             "prompt_ids": prompt_ids[s.prompt_index],
             "completion_ids": s.completion_ids,

@@ -25,6 +25,7 @@ import os
 import socket
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -353,7 +354,16 @@ class PendingMetrics:
     def add(self, metrics: dict[str, float], step: int = 0) -> None:
         self.batch.extend(metric_batch(metrics, step))
 
+    last_flush: float = field(default_factory=time.monotonic)
+
     def flush(self, tags: dict[str, str] | None = None) -> None:
         """Send the gathered metrics (and ``tags``) in one call."""
         self.tracking.log_metric_batch(self.run_id, self.batch, tags)
         self.batch = []
+        self.last_flush = time.monotonic()
+
+    def flush_every(self, seconds: float) -> None:
+        """:meth:`flush` if the last one is at least ``seconds`` old: live curves at a
+        bounded cost (one sqlite ``log_batch`` is tens of milliseconds on 2 cores)."""
+        if self.batch and time.monotonic() - self.last_flush >= seconds:
+            self.flush()
