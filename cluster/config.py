@@ -26,6 +26,11 @@ class TrainerGroup(WorkerGroup):
     dist_backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend of the trainer ranks (nccl on GPUs)"
     )
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="ddp: a full replica of the policy per rank; fsdp: the decoder layers "
+        "sharded over the ranks with FSDP2 (parameters, gradients, AdamW state)",
+    )
 
 
 class ClusterConfig(Section):

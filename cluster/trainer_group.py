@@ -50,10 +50,11 @@ class TrainerGroupError(RuntimeError):
 class TrainerWorker:
     """One rank of the trainer group (the class a Ray actor runs)."""
 
-    def __init__(self, rank: int, world_size: int, dist_backend: str):
+    def __init__(self, rank: int, world_size: int, dist_backend: str, strategy: str = "ddp"):
         import torch
 
         self.rank, self.world_size, self.backend = rank, world_size, dist_backend
+        self.strategy = strategy
         self.data_parallel = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -72,7 +73,7 @@ class TrainerWorker:
             import torch
             import torch.distributed as dist
 
-            from grpo_core.distributed import DataParallel
+            from grpo_core.distributed import make_data_parallel
 
             if self.backend == "nccl":
                 torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU
@@ -82,7 +83,7 @@ class TrainerWorker:
                 rank=self.rank,
                 world_size=self.world_size,
             )
-            self.data_parallel = DataParallel()
+            self.data_parallel = make_data_parallel(self.strategy)
         return os.getpid()
 
     def run(self, fn: Callable, kwargs: dict) -> Any:
@@ -153,7 +154,9 @@ class TrainerGroup:
                 else None
             )
             opts = {**options, **({"scheduling_strategy": strategy} if strategy else {})}
-            self.actors.append(actor.options(**opts).remote(rank, g.workers, g.dist_backend))
+            self.actors.append(
+                actor.options(**opts).remote(rank, g.workers, g.dist_backend, g.strategy)
+            )
         try:
             addr, port = ray.get(self.actors[0].address.remote())
             self.pids = ray.get([a.join.remote(addr, port) for a in self.actors])
@@ -163,10 +166,11 @@ class TrainerGroup:
                 f"{ROLE} group: starting {g.workers} worker(s) failed: {e}"
             ) from e
         log.info(
-            "%s group: %d worker(s) of %s, %s process group at %s:%d",
+            "%s group: %d worker(s) of %s, %s, %s process group at %s:%d",
             ROLE,
             g.workers,
             bundle,
+            g.strategy,
             g.dist_backend,
             addr,
             port,

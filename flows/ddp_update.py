@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: nccl with CUDA, else gloo")
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        default="ddp",
+        help="ddp: a replica per rank; fsdp: decoder layers sharded (FSDP2)",
+    )
     return p
 
 
@@ -47,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_core.distributed import process_group
     from tasks.update import update_from_file
 
-    with process_group(args.backend) as dp:
+    with process_group(args.backend, args.strategy) as dp:
         res = update_from_file(
             args.policy,
             args.scored,

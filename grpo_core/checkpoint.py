@@ -154,18 +154,22 @@ def save_checkpoint(
     *,
     trainer_state: dict | None = None,
     info: dict | None = None,
+    state_dict: dict | None = None,
 ) -> Path:
     """``save_pretrained`` model and tokenizer (safetensors) into ``out_dir`` atomically.
 
     A ``peft`` model is saved as its merged weights plus its adapter in ``adapter/``
-    (grpo_core/lora.py)."""
+    (grpo_core/lora.py). ``state_dict``: the weights to write instead of the model's own (a
+    sharded model's gathered weights, grpo_core/fsdp.py)."""
     import torch
 
     from grpo_core import lora
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        if lora.is_peft(model):
+        if state_dict is not None:
+            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        elif lora.is_peft(model):
             lora.save_merged(model, tmp)
             lora.save_adapter(model, tmp / lora.ADAPTER_DIR)
         else:

@@ -31,6 +31,7 @@ import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,7 @@ class DataParallel:
     """This process's place in a data-parallel group; the collectives the update needs."""
 
     group: dist.ProcessGroup | None = None  # None: the default (world) group
+    sharded: ClassVar[bool] = False  # FSDP2 (grpo_core/fsdp.py): parameters sharded over ranks
 
     @property
     def rank(self) -> int:
@@ -106,6 +108,11 @@ class DataParallel:
         """Sum the ranks' gradients in place. A parameter that got a gradient on some rank gets
         the sum on all (zeros where absent); one that got none anywhere keeps ``None``, as in
         one process (so weight decay does not touch it)."""
+        self.sum_gradients(self.fill_missing_gradients(model))
+
+    def fill_missing_gradients(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Zero gradients on this rank for the parameters that got one on some rank; returns
+        the parameters that have a gradient now (on every rank alike)."""
         params = [p for p in model.parameters() if p.requires_grad]
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         has = has.to(self.device)
@@ -114,6 +121,10 @@ class DataParallel:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        return params
+
+    def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
+        """All-reduce (sum) ``params``' gradients, in flat buckets."""
         buckets: dict[tuple, list[list[Tensor]]] = {}
         for p in params:
             key = (p.grad.dtype, p.grad.device)
@@ -204,9 +215,10 @@ def default_backend() -> str:
 
 
 @contextmanager
-def process_group(backend: str | None = None) -> Iterator[DataParallel]:
+def process_group(backend: str | None = None, strategy: str = "ddp") -> Iterator[DataParallel]:
     """Join the process group that ``torchrun`` (or :func:`spawn`) describes in the
-    environment; destroy it on exit. nccl: this rank's GPU is ``LOCAL_RANK``."""
+    environment; destroy it on exit. nccl: this rank's GPU is ``LOCAL_RANK``. ``strategy``:
+    ``ddp`` (replicas) or ``fsdp`` (:class:`grpo_core.fsdp.ShardedDataParallel`)."""
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
@@ -220,9 +232,20 @@ def process_group(backend: str | None = None) -> Iterator[DataParallel]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     try:
-        yield DataParallel()
+        yield make_data_parallel(strategy)
     finally:
         dist.destroy_process_group()
+
+
+def make_data_parallel(strategy: str = "ddp", group=None) -> DataParallel:
+    """This rank's :class:`DataParallel` for ``strategy`` (``ddp`` or ``fsdp``)."""
+    if strategy == "fsdp":
+        from grpo_core.fsdp import ShardedDataParallel
+
+        return ShardedDataParallel(group)
+    if strategy != "ddp":
+        raise ValueError(f"unknown data-parallel strategy {strategy!r}; expected ddp or fsdp")
+    return DataParallel(group)
 
 
 def free_port() -> int:

@@ -101,10 +101,7 @@ def batched_logprobs(
     """No-grad log-probs ``[N, T]`` of the whole batch, in chunks of at most ``max_tokens``
     padded tokens (else ``chunk`` sequences), in the model's current train/eval mode (the old
     log-probs must see the model as the loss does)."""
-    if max_tokens is not None:
-        parts = batch.token_chunks(max_tokens)
-    else:
-        parts = [torch.arange(s, min(s + chunk, batch.size)) for s in range(0, batch.size, chunk)]
+    parts = logprob_chunks(batch, chunk, max_tokens)
     precision = precision or Precision()
     out = []
     for part in parts:
@@ -115,6 +112,36 @@ def batched_logprobs(
                 )[0]
             )
     return torch.cat(out, dim=0)
+
+
+def logprob_chunks(batch: UpdateBatch, chunk: int, max_tokens: int | None) -> list[Tensor]:
+    """Row indices of :func:`batched_logprobs`' forwards."""
+    if max_tokens is not None:
+        return batch.token_chunks(max_tokens)
+    return [torch.arange(s, min(s + chunk, batch.size)) for s in range(0, batch.size, chunk)]
+
+
+def _old_logprob_forwards(batch: UpdateBatch, cfg: UpdateConfig, needed: bool) -> int:
+    """How many forwards the old log-probs of ``batch`` take (as :func:`grpo_update`
+    computes them)."""
+    if not needed or cfg.old_logprobs == "sampler":
+        return 0
+    if skips_zero_loss_rows(cfg) and cfg.engine_correction is None:
+        batch = batch.slice(live_rows(batch).nonzero().squeeze(-1))
+        if batch.size == 0:
+            return 0
+    return len(logprob_chunks(batch, 64, cfg.max_tokens_per_microbatch))
+
+
+def _loss_forwards(mb: UpdateBatch, cfg: UpdateConfig, skip_rows: bool) -> int:
+    """How many forwards (each with its backward) :func:`_micro_batch` runs on ``mb``."""
+    if mb.size == 0:
+        return 0
+    if skip_rows:
+        mb = mb.slice(live_rows(mb).nonzero().squeeze(-1))
+        if mb.size == 0:
+            return 0
+    return len(mb.token_chunks(cfg.max_tokens_per_microbatch))
 
 
 def disable_dropout(model) -> None:
@@ -239,6 +266,15 @@ def grpo_update(
         precision=precision,
     )
     has_rows = batch.size > 0  # a rank of a data-parallel group may have none
+    sharded = dp is not None and dp.sharded
+    if sharded:  # the ranks agree on their forwards before running them (grpo_core/fsdp.py)
+        plan = [_old_logprob_forwards(batch, cfg, reuse and has_rows)]
+        plan += [
+            _loss_forwards(batch.slice(idx), cfg, skips_zero_loss_rows(cfg))
+            for _ in range(cfg.num_iterations)
+            for idx in slices
+        ]
+        nograd_target, *loss_targets = dp.agree(plan)
     old_logp = None  # [N, T]
     if reuse and has_rows:
         if cfg.old_logprobs == "sampler":  # the sampler's own log-probs: no forward pass
@@ -264,6 +300,8 @@ def grpo_update(
             clip_min=c.clip_min,
             clip_max=c.clip_max,
         )  # [N, T] or [N, 1]
+    if sharded:  # FSDP2: as many sharded forwards as the busiest rank (grpo_core/fsdp.py)
+        dp.pad_to(model, nograd_target, grad=False)
     if dp is not None and cfg.engine_correction is not None:
         is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()))
     history: list[dict] = []
@@ -271,7 +309,7 @@ def grpo_update(
     window_tokens: list[float] = []
     skip_rows = skips_zero_loss_rows(cfg)
     optimizer.zero_grad(set_to_none=True)
-    for _ in range(cfg.num_iterations):
+    for k in range(cfg.num_iterations):
         for j, idx in enumerate(slices):
             metrics = {}
             if len(idx):
@@ -286,6 +324,8 @@ def grpo_update(
                     norm=norms[j],
                     skip_rows=skip_rows,
                 )
+            if sharded:
+                dp.pad_to(model, loss_targets[k * len(slices) + j], grad=True)
             window.append(metrics)
             window_tokens.append(float(batch.completion_mask[idx].sum()))
             if (j + 1) % accumulation:
@@ -295,7 +335,10 @@ def grpo_update(
             if dp is not None:
                 dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
             precision.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            if sharded:
+                grad_norm = dp.clip_grad_norm(model, cfg.max_grad_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             precision.step(optimizer)
             if scheduler is not None:
                 scheduler.step()

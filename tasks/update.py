@@ -75,7 +75,10 @@ def update_from_file(
     w = warm.get(policy_checkpoint, mutate=True, lora_base=init)
     tok = w.tokenizer
     dp = data_parallel
-    if dp is not None:
+    sharded = dp is not None and dp.sharded
+    if sharded:
+        _shard(dp, w)
+    elif dp is not None:
         dp.broadcast_parameters(w.model)  # replicas start from rank 0's weights
     total = total_steps or (global_step + rl.optimizer_steps_per_generation * rl.num_iterations)
     key = {
@@ -88,6 +91,8 @@ def update_from_file(
         "total_steps": total,
         # the default is left out so that trainer states saved before the choice existed match
         **({"optim": rl.optim} if rl.optim != "adamw_torch" else {}),
+        # a sharded optimizer's saved state is keyed by parameter name, a replica's by index
+        **({"strategy": "fsdp"} if sharded else {}),
     }
 
     def build(model):
@@ -99,7 +104,14 @@ def update_from_file(
     source, why = _old_logprobs_source(rl, table, w)
     update_cfg = dataclasses.replace(rl.update_config(), old_logprobs=source)
     logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
-    train = warm.train_state(w, key=key, global_step=global_step, build=build, seed=seed)
+    train = warm.train_state(
+        w,
+        key=key,
+        global_step=global_step,
+        build=build,
+        seed=seed,
+        load_optimizer=dp.load_full_optimizer_state if sharded else None,
+    )
     set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
     history: list[dict] = []
     t = {"seconds": 0.0}
@@ -137,13 +149,18 @@ def update_from_file(
         )
     step = global_step + len(history)
     train.global_step, train.rng = step, rng_state()
+    state, weights = train.state_dict(), None
+    if sharded:  # gathered on every rank (collectives), written by rank 0
+        state["optimizer"] = dp.full_optimizer_state(w.model, train.optimizer)
+        weights = dp.full_state_dict(w.model)
     if dp is None or dp.rank == 0:
         save_checkpoint(
             w.model,
             tok,
             out_checkpoint,
-            trainer_state=train.state_dict(),
+            trainer_state=state,
             info={"scored": scored_path, "global_step": step, **warm.lora_info(w)},
+            state_dict=weights,
         )
     if dp is not None:
         dp.barrier()  # the checkpoint exists when any rank returns
@@ -155,6 +172,21 @@ def update_from_file(
     for h in history:
         h.update(extra)
     return UpdateResult(out_checkpoint, step, history, t["seconds"], mem.gib)
+
+
+def _shard(dp, w) -> None:
+    """Shard the warm policy's decoder layers (FSDP2) the first time this rank trains it; a
+    reloaded policy is sharded again and its optimizer state rebuilt (grpo_core/fsdp.py)."""
+    if dp.is_wrapped(w.model):
+        return
+    if warm.lora_info(w):
+        raise ValueError(
+            "cluster.trainer.strategy: fsdp does not shard LoRA adapters; use strategy: ddp "
+            "with model.lora"
+        )
+    w.train = None  # an optimizer built on the unsharded parameters
+    dp.broadcast_parameters(w.model)  # equal weights on every rank before sharding
+    dp.wrap(w.model)
 
 
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:

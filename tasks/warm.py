@@ -235,6 +235,7 @@ def train_state(
     global_step: int,
     build: Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, object]],
     seed: int = 0,
+    load_optimizer: Callable | None = None,
 ) -> TrainState:
     """The optimizer, scheduler and RNG states to continue a stage at ``global_step``.
 
@@ -244,7 +245,8 @@ def train_state(
     step), else the checkpoint's ``trainer_state.pt`` (same key and step). When neither
     exists (pruned, or written by other settings), a warning says so and the optimizer
     starts fresh with the schedule positioned at ``global_step``: the result then differs
-    from an uninterrupted run's.
+    from an uninterrupted run's. ``load_optimizer(model, optimizer, state)`` loads a saved
+    optimizer state where ``optimizer.load_state_dict`` cannot (a sharded model's).
     """
     from grpo_core.trainer_state import rng_state, seed_all
     from tasks.common import logger
@@ -264,7 +266,10 @@ def train_state(
             and saved.get("optimizer")
             and saved.get("scheduler")
         ):
-            opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
+            if load_optimizer is not None:
+                load_optimizer(warm.model, opt, saved["optimizer"])
+            else:
+                opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
             sched.load_state_dict(saved["scheduler"])
             warm.train = TrainState(key, opt, sched, global_step, saved["rng"])
             logger(__name__).info(

@@ -94,6 +94,8 @@ def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list
     case = cases()[name]
     model, tok = load_checkpoint(checkpoint)
     ref = load_checkpoint(checkpoint)[0] if case["loss"].get("beta", 0) > 0 else None
+    if data_parallel is not None and data_parallel.sharded:
+        data_parallel.wrap(model)  # FSDP2, before the optimizer sees the parameters
     if case.get("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
@@ -108,6 +110,8 @@ def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list
         ref_model=ref,
         data_parallel=data_parallel,
     )
+    if data_parallel is not None and data_parallel.sharded:
+        return data_parallel.full_state_dict(model), history
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, history
 
 
@@ -115,6 +119,13 @@ def run_all(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> N
     """Every case on this rank; each rank saves what it ended with."""
     results = {name: run_case(name, checkpoint, data_parallel) for name in names}
     torch.save(results, f"{out_dir}/rank{data_parallel.rank}.pt")
+
+
+def run_all_sharded(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> None:
+    """:func:`run_all` with the decoder layers sharded (FSDP2, grpo_core/fsdp.py)."""
+    from grpo_core.fsdp import ShardedDataParallel
+
+    run_all(ShardedDataParallel(data_parallel.group), checkpoint, names, out_dir)
 
 
 def column_reward(prompts, completions, r, **_):

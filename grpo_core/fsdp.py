@@ -1,0 +1,169 @@
+"""FSDP2 for the data-parallel GRPO update (``cluster.trainer.strategy: fsdp``): the decoder
+layers sharded over the ranks with torch's ``fully_shard``, so each rank holds 1/N of their
+parameters, gradients and AdamW state; N ranks still make the update of one process.
+
+What differs from :class:`~grpo_core.distributed.DataParallel` (replicas):
+
+- every decoder layer is its own FSDP2 unit (``model._no_split_modules``, Hugging Face's
+  list of the layer classes); the embeddings, final norm and LM head stay replicated and are
+  summed as ``DataParallel`` sums gradients. The chunked LM head (grpo_core/model_logprobs.py)
+  then reads the head's weight as in one process;
+- a sharded layer all-gathers its parameters in every forward and reduce-scatters its
+  gradients in every backward, so every rank must run as many forwards (and backwards) as
+  the others, in the same order: the ranks agree on the number of forwards of the old
+  log-prob pass and of each micro-batch before running them, and a rank with fewer rows, or
+  none, makes up the difference with forwards of one padding token whose loss is 0
+  (:meth:`ShardedDataParallel.pad_to`);
+- the reduce-scatter sums (gradient divide factor 1) instead of averaging: each rank's loss
+  is already its share of the global micro-batch's loss (global-batch normalisers);
+- gradient clipping: the global norm over the shards (all-reduced) and the replicated
+  parameters (counted once).
+
+Tested on CPU with gloo and 2 processes (tests/distributed/test_fsdp_parity.py): the weights
+after an update equal the one-process weights within fp32 tolerance for every ``loss_type``.
+Not run here: GPUs and nccl, mixed-precision policies, a sharded reference model (with
+``beta > 0`` each rank holds a full reference model), CPU offload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from grpo_core.distributed import DataParallel
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules whose class Hugging Face lists in
+    ``_no_split_modules`` (``Qwen2DecoderLayer``, ...)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__}: no decoder layers to shard (the model's "
+            f"_no_split_modules {sorted(names)} names no module class it has)"
+        )
+    return layers
+
+
+@dataclass
+class ShardedDataParallel(DataParallel):
+    """A :class:`DataParallel` rank whose model's decoder layers are sharded (:meth:`wrap`)."""
+
+    sharded: ClassVar[bool] = True
+    forwards: int = 0  # sharded forwards since the last catch_up
+    _hooked: list = field(default_factory=list)
+
+    def wrap(self, model) -> None:
+        """Shard ``model``'s decoder layers in place over this group (call on every rank,
+        with equal weights: after :meth:`broadcast_parameters`)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        from grpo_core.model_logprobs import chunked_head_reason
+
+        mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
+        layers = decoder_layers(model)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # each layer is a root
+            layer.set_gradient_divide_factor(1.0)  # sum: the losses are global shares
+            layer.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+        self._hooked = [layers[0].register_forward_pre_hook(self._count)]
+        chunked_head_reason(model)  # its probe's forwards, on every rank at once
+        self.forwards = 0
+
+    def _count(self, module, args) -> None:
+        self.forwards += 1
+
+    def agree(self, counts: list[int]) -> list[int]:
+        """The busiest rank's count of each entry (an element-wise max over the ranks)."""
+        t = torch.tensor(counts or [0], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().tolist()[: len(counts)]
+
+    def pad_to(self, model, target: int, *, grad: bool) -> None:
+        """Forwards of one padding token (and backwards of their zero loss, when ``grad``)
+        until this rank has run ``target`` sharded forwards since the last call: every rank
+        then has run the same collectives in the same order. ``target`` comes from
+        :meth:`agree`, before any of the forwards it counts."""
+        missing = target - self.forwards
+        if missing < 0:
+            raise RuntimeError(
+                f"rank {self.rank} ran {self.forwards} sharded forwards where {target} were "
+                "planned: the ranks' collectives no longer match"
+            )
+        device = next(model.parameters()).device
+        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        for _ in range(missing):
+            with torch.set_grad_enabled(grad):
+                out = model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
+                if grad:
+                    (out.last_hidden_state.sum() * 0.0).backward()
+        self.forwards = 0
+
+    def all_reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Sum the replicated parameters' gradients; the sharded ones were reduce-scattered
+        (summed) in each backward. A rank whose shard got no gradient (no backward on any
+        rank in the step, while another rank zeroed its skipped rows' gradients) gets zeros,
+        as the replicated parameters do."""
+        params = self.fill_missing_gradients(model)
+        self.sum_gradients([p for p in params if not isinstance(p, DTensor)])
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+        """``clip_grad_norm_`` over the whole model: squared norms of this rank's shards,
+        all-reduced, plus those of the replicated gradients (equal on every rank)."""
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for g in grads:
+            if isinstance(g, DTensor):
+                sharded += g.to_local().double().pow(2).sum().to(self.device)
+            else:
+                replicated += g.double().pow(2).sum().cpu()
+        dist.all_reduce(sharded, group=self.group)
+        total = (sharded.cpu() + replicated).sqrt().float()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device, local.dtype))
+        return total
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, unsharded, on the CPU of every rank (a collective)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        return {k: v.cpu() for k, v in get_model_state_dict(model, options=opts).items()}
+
+    def full_optimizer_state(self, model, optimizer) -> dict:
+        """The optimizer's state unsharded, keyed by parameter name (a collective)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        return get_optimizer_state_dict(model, optimizer, options=opts)
+
+    def load_full_optimizer_state(self, model, optimizer, state: dict) -> None:
+        """:meth:`full_optimizer_state`'s dict into this rank's shards (a collective)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=opts)
+
+    @staticmethod
+    def is_wrapped(model) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return any(isinstance(m, FSDPModule) for m in model.modules())
