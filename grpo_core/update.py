@@ -45,6 +45,9 @@ from grpo_core.step_metrics import combine
 __all__ = ["UpdateBatch", "batched_logprobs", "build_batch", "completion_logprobs", "grpo_update"]
 
 
+LOGPROB_CHUNK = 64  # rows per no-grad forward of batched_logprobs without a token budget
+
+
 def completion_logprobs(
     model,
     batch: UpdateBatch,
@@ -93,7 +96,7 @@ def batched_logprobs(
     batch: UpdateBatch,
     *,
     temperature: float,
-    chunk: int = 64,
+    chunk: int = LOGPROB_CHUNK,
     max_tokens: int | None = None,
     lm_head: str = "chunked",
     precision: Precision | None = None,
@@ -130,7 +133,7 @@ def _old_logprob_forwards(batch: UpdateBatch, cfg: UpdateConfig, needed: bool) -
         batch = batch.slice(live_rows(batch).nonzero().squeeze(-1))
         if batch.size == 0:
             return 0
-    return len(logprob_chunks(batch, 64, cfg.max_tokens_per_microbatch))
+    return len(logprob_chunks(batch, LOGPROB_CHUNK, cfg.max_tokens_per_microbatch))
 
 
 def _loss_forwards(mb: UpdateBatch, cfg: UpdateConfig, skip_rows: bool) -> int:
