@@ -228,6 +228,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "re_sft": re.run_id,
         "rl_2": rl2["run_id"],
     }
+    in_loop_tables = {"rl_1": rl1.get("eval_table"), "rl_2": rl2.get("eval_table")}
     for index, stage in enumerate(CHECKPOINT_STAGES):
         ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
             stage,
@@ -237,6 +238,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             str(ws.eval_table(stage)),
             force=cfg.forced("final_evaluation"),
             engine=cfg.rollout.engine_spec(cfg.eval.engine),
+            # an RL stage's last in-loop eval is this evaluation of its final weights
+            same_as=in_loop_tables.get(stage),
         )
         results[stage] = ev
         summary_metrics = ev.summary_metrics()

@@ -66,6 +66,7 @@ def rl_stage(
     total_steps = rl.total_optimizer_steps
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
+    last_table = None  # the last in-loop eval's table: the final checkpoint's weights
     reused = 0
     metrics = tracking.pending(run_id)  # cached iterations are logged in one batch
     log.info(
@@ -134,6 +135,7 @@ def rl_stage(
                 out_table=str(ws.iteration_eval_table(stage, it)),
                 engine=eval_engine,
             )
+            last_table = ev.table
             evals.append(
                 {
                     "iteration": it,
@@ -183,6 +185,7 @@ def rl_stage(
         "global_step": step,
         "wall_time_s": wall,
         "evals": evals,
+        "eval_table": last_table,
         "cached_iterations": reused,
     }
 

@@ -4,15 +4,17 @@ to Parquet."""
 
 from __future__ import annotations
 
+import shutil
+
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from grpo_core.config import EvalConfig
 from grpo_core.data import load_rows
-from grpo_core.io import write_parquet
+from grpo_core.io import atomic_path, write_parquet
 from tasks import warm
-from tasks.cache import cached, stage_key
+from tasks.cache import cached, lookup, stage_key
 from tasks.common import logger, timer
 from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE
@@ -27,20 +29,29 @@ def evaluate_checkpoint(
     desc: str = "eval",
     force: bool = False,
     engine: dict | None = None,
+    same_as: str | None = None,
 ) -> EvalOutcome:
     """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config).
-    ``engine``: ``{"name", "options", "check_sync"}`` (default hf)."""
+    ``engine``: ``{"name", "options", "check_sync"}`` (default hf). ``same_as``: another eval
+    table that may hold this very evaluation (an RL stage's last in-loop eval of the weights
+    its final checkpoint links): when its manifest has the same key (same weights, data,
+    config and code), it is copied instead of evaluated again."""
     engine = engine or HF_ENGINE
     if out_table is None:
         return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
     key = stage_key("eval", {**cfg.model_dump(), "engine": engine["name"]}, [checkpoint, eval_path])
-    return cached(
-        desc,
-        out_table,
-        key,
-        lambda: _evaluate(checkpoint, eval_path, cfg, out_table, desc, engine),
-        force=force,
-    )
+
+    def compute() -> EvalOutcome:
+        hit = None if force or not same_as else lookup(same_as, key)
+        if hit is None:
+            return _evaluate(checkpoint, eval_path, cfg, out_table, desc, engine)
+        with atomic_path(out_table) as tmp:
+            shutil.copyfile(same_as, tmp)
+        logger(__name__).info("%s: same weights, data and settings as %s, reused", desc, same_as)
+        fields = {k: v for k, v in hit.items() if k != "type"}
+        return EvalOutcome(**{**fields, "table": out_table})
+
+    return cached(desc, out_table, key, compute, force=force)
 
 
 def _evaluate(
@@ -102,6 +113,7 @@ def evaluate_stage(
     out_table: str,
     force: bool = False,
     engine: dict | None = None,
+    same_as: str | None = None,
 ) -> EvalOutcome:
     out = evaluate_checkpoint(
         checkpoint,
@@ -111,6 +123,7 @@ def evaluate_stage(
         desc=f"eval {stage}",
         force=force,
         engine=engine,
+        same_as=same_as,
     )
     logger(__name__).info(
         "eval %s: accuracy %.3f, format %.3f, mean length %.1f",

@@ -259,3 +259,36 @@ def test_eval_task_is_reused_as_the_same_typed_result(tiny_checkpoint, tmp_path)
     assert os.stat(table).st_mtime_ns == mtime  # not rewritten
     unrecorded = evaluate_checkpoint(str(tiny_checkpoint), data, cfg)  # no table: no cache
     assert unrecorded.table is None and not unrecorded.cached
+
+
+def test_final_eval_copies_the_in_loop_eval_of_the_same_weights(tiny_checkpoint, tmp_path, caplog):
+    """An RL stage's final checkpoint links its last iteration's files: the final evaluation
+    copies that iteration's eval table instead of evaluating again; other weights or settings
+    are evaluated."""
+    import pyarrow.parquet as pq
+
+    from grpo_core.io import link_tree
+
+    data = str(
+        write_jsonl(make_splits(0, n_sft=1, n_rl=1, n_dev=1, n_eval=4).eval, tmp_path / "e.jsonl")
+    )
+    cfg = EvalConfig(max_completion_length=6)
+    in_loop = str(tmp_path / "iter_0004_eval.parquet")
+    first = evaluate_checkpoint(str(tiny_checkpoint), data, cfg, out_table=in_loop)
+    final_ckpt = link_tree(tiny_checkpoint, tmp_path / "final")  # as flows/rl.py makes it
+    table = str(tmp_path / "final_eval.parquet")
+    with caplog.at_level("INFO"):
+        final = evaluate_checkpoint(str(final_ckpt), data, cfg, out_table=table, same_as=in_loop)
+    assert "reused" in caplog.text
+    assert final.table == table and final.accuracy == first.accuracy
+    assert dataclasses.replace(final, table=in_loop) == first
+    assert pq.read_table(table).equals(pq.read_table(in_loop))
+    again = evaluate_checkpoint(str(final_ckpt), data, cfg, out_table=table, same_as=in_loop)
+    assert again.cached  # its own manifest now
+    other = cfg.model_copy(update={"max_completion_length": 5})
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        fresh = evaluate_checkpoint(
+            str(final_ckpt), data, other, out_table=str(tmp_path / "o.parquet"), same_as=in_loop
+        )
+    assert "reused" not in caplog.text and not fresh.cached
