@@ -130,13 +130,20 @@ def test_scoring_through_ray_client_equals_one_process(client_address, tiny_chec
     weights = {"accuracy": 1.0, "format": 0.5}
     score_file(str(rollouts), str(tmp_path / "local.parquet"), weights, max_completion_length=10)
     remote_out = tmp_path / "client.parquet"
-    proc = subprocess.run(
-        [sys.executable, "-c", DRIVER, str(rollouts), str(remote_out), address],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    for attempt in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-c", DRIVER, str(rollouts), str(remote_out), address],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        # Ray's proxy once failed to start the driver's per-client server on a loaded
+        # machine ("Starting Ray client server failed"; it passed alone): one more try for
+        # that, and only that, failure of Ray's own start-up
+        if proc.returncode == 0 or "Starting Ray client server failed" not in proc.stderr:
+            break
+        print(f"attempt {attempt + 1}: Ray's client server did not start; trying again")
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert seen == {"client": True, "cpus": 2.0}  # through Ray Client, on the head's 2 CPUs
