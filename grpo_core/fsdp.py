@@ -55,7 +55,7 @@ class ShardedDataParallel(DataParallel):
     """A :class:`DataParallel` rank whose model's decoder layers are sharded (:meth:`wrap`)."""
 
     sharded: ClassVar[bool] = True
-    forwards: int = 0  # sharded forwards since the last catch_up
+    forwards: int = 0  # sharded forwards since the last pad_to
     _hooked: list = field(default_factory=list)
 
     def wrap(self, model) -> None:
