@@ -350,11 +350,10 @@ class PendingMetrics:
     tracking: Tracking
     run_id: str
     batch: list[Metric] = field(default_factory=list)
+    last_flush: float = field(default_factory=time.monotonic)
 
     def add(self, metrics: dict[str, float], step: int = 0) -> None:
         self.batch.extend(metric_batch(metrics, step))
-
-    last_flush: float = field(default_factory=time.monotonic)
 
     def flush(self, tags: dict[str, str] | None = None) -> None:
         """Send the gathered metrics (and ``tags``) in one call."""

@@ -121,6 +121,15 @@ def run_all(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> N
     torch.save(results, f"{out_dir}/rank{data_parallel.rank}.pt")
 
 
+def spawn_all(fn, world: int, checkpoint: str, out_dir) -> list[dict]:
+    """Every case on ``world`` spawned ranks (``fn``: :func:`run_all` or
+    :func:`run_all_sharded`); each rank's ``{name: (weights, history)}``, in rank order."""
+    from grpo_core.distributed import spawn
+
+    spawn(fn, world, checkpoint, list(cases()), str(out_dir))
+    return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(world)]
+
+
 def run_all_sharded(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> None:
     """:func:`run_all` with the decoder layers sharded (FSDP2, grpo_core/fsdp.py)."""
     from grpo_core.fsdp import ShardedDataParallel

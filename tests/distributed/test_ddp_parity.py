@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
-from ddp_cases import batch, cases, run_all, run_case
+from ddp_cases import batch, cases, run_all, run_case, spawn_all
 
 from grpo_core.checkpoint import load_checkpoint
-from grpo_core.distributed import DataParallel, process_group, spawn
+from grpo_core.distributed import DataParallel, process_group
 from grpo_core.loss_config import UpdateConfig
 from grpo_core.update import grpo_update
 
@@ -28,9 +28,7 @@ ENGINE_METRICS = (
 
 @pytest.fixture(scope="module")
 def parallel_results(tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    spawn(run_all, WORLD, str(tiny_checkpoint), list(cases()), str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_all(run_all, WORLD, str(tiny_checkpoint), tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("name", list(cases()))

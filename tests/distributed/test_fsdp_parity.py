@@ -9,10 +9,9 @@ import math
 
 import pytest
 import torch
-from ddp_cases import cases, run_all_sharded, run_case
+from ddp_cases import cases, run_all_sharded, run_case, spawn_all
 
 from grpo_core.checkpoint import load_checkpoint
-from grpo_core.distributed import spawn
 from grpo_core.fsdp import decoder_layers
 
 WORLD = 2
@@ -21,9 +20,7 @@ METRICS = ("loss", "policy_loss", "kl", "entropy", "clip_ratio/region_mean", "gr
 
 @pytest.fixture(scope="module")
 def sharded_results(tiny_checkpoint, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    spawn(run_all_sharded, WORLD, str(tiny_checkpoint), list(cases()), str(out))
-    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_all(run_all_sharded, WORLD, str(tiny_checkpoint), tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.mark.parametrize("name", list(cases()))
