@@ -80,7 +80,9 @@ class Replica:
         tokenizer,
     ) -> None:
         from grpo_core.engines import get_engine
+        from tasks import storage
 
+        storage.pull(checkpoint)  # a node without the run folder: from the shared store
         opts = dict(engine_options or {})
         if engine == "hf":
             from grpo_core.checkpoint import load_checkpoint
@@ -128,11 +130,15 @@ PROBE_TOKENS = 16  # as grpo_core.engines.probe_sync
 
 def actor_options(group: WorkerGroup) -> dict:
     """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
-    driver's value when set, else 1 (a few replicas share a machine's cores)."""
+    driver's value when set, else 1 (a few replicas share a machine's cores), and the run's
+    shared store (tasks/storage.py)."""
+    from tasks import storage
+
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return {
         "num_cpus": group.num_cpus,
         "num_gpus": group.num_gpus,
-        "runtime_env": {"env_vars": {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}},
+        "runtime_env": {"env_vars": {**threads, **storage.env()}},
     }
 
 

@@ -29,6 +29,7 @@ from grpo_core.config import (
     SFTConfig,
 )
 from grpo_core.errors import UserError
+from tasks.workspace import Workspace
 
 # The R1 recipe in order: (stage, whether it writes a checkpoint that the final evaluation scores)
 _STAGES = (
@@ -97,6 +98,22 @@ class SandboxConfig(Section):
     )
 
 
+class StorageConfig(Section):
+    """Where the run folder is shared between machines (tasks/storage.py, docs/cluster.md).
+    ``output_dir`` stays this machine's working copy."""
+
+    url: str | None = Field(
+        None,
+        description="fsspec URL the run folder is mirrored to (file:///mnt/shared/runs, "
+        "s3://bucket/runs, memory://runs); empty: the run folder is not shared",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="fsspec storage options (e.g. endpoint_url for an S3-compatible server); "
+        "keep credentials in the environment (AWS_ACCESS_KEY_ID, ...): config is logged",
+    )
+
+
 class PipelineConfig(Section):
     """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
 
@@ -121,6 +138,7 @@ class PipelineConfig(Section):
     rl_2: dict[str, Any] = Field(default_factory=dict)
     eval: EvalConfig = EvalConfig()
     cluster: ClusterConfig = ClusterConfig()
+    storage: StorageConfig = StorageConfig()
 
     @model_validator(mode="after")
     def _overrides_valid(self) -> PipelineConfig:
@@ -140,6 +158,15 @@ class PipelineConfig(Section):
 
             os.environ[ISOLATION_ENV] = self.sandbox.isolation
         return self
+
+    def workspace(self) -> Workspace:
+        """This run's folder, shared through ``storage.url`` when one is set."""
+        from tasks import storage
+
+        ws = Workspace.create(self.output_dir, self.run_name)
+        url = self.storage.url and f"{self.storage.url.rstrip('/')}/{self.run_name}"
+        storage.configure(url, ws.root, self.storage.options)
+        return ws
 
     def forced(self, stage: str) -> bool:
         return "all" in self.force or stage in self.force

@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = load_config(args.config, args.set)
     apply_defaults(cfg.output_dir)
+    cfg.workspace()  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.distributed import process_group
     from tasks.update import update_from_file
 

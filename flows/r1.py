@@ -113,9 +113,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    ws = Workspace.create(cfg.output_dir, cfg.run_name)
+    ws = cfg.workspace()
     # settings that change results; where outputs and logs go, and what to force, do not
-    settings = cfg.model_dump(exclude={"run_name", "output_dir", "tracking", "force"})
+    settings = cfg.model_dump(exclude={"run_name", "output_dir", "tracking", "force", "storage"})
     tracking = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment).start_parent(
         cfg.run_name,
         {"pipeline": "r1", "seed": str(cfg.seed), "config_hash": config_hash(settings)},

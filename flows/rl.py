@@ -21,7 +21,7 @@ from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
-from tasks import warm
+from tasks import storage, warm
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.mlflow_keys import metric_batch
@@ -164,6 +164,7 @@ def rl_stage(
     if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
         with atomic_path(final) as tmp:
             link_tree(policy, tmp)  # hard links: the iteration's files are never rewritten
+        storage.publish(final)
     warm.relabel(final)  # same weights as the last iteration's checkpoint
     stage_tags = {
         "policy_id": policy_id(final),
@@ -266,4 +267,6 @@ def _prune(ws: Workspace, stage: str, it: int) -> None:
     inputs changed) has lost its optimizer state and starts AdamW fresh, with a warning."""
     old = it - KEEP_ITERATION_CHECKPOINTS
     if old >= 0:
-        (ws.iteration_checkpoint(stage, old) / TRAINER_STATE).unlink(missing_ok=True)
+        state = ws.iteration_checkpoint(stage, old) / TRAINER_STATE
+        state.unlink(missing_ok=True)
+        storage.remove(state)

@@ -34,6 +34,7 @@ def _config(config: str | None, overrides: list[str] | None) -> PipelineConfig:
     cfg = load_config(config, list(overrides or []))
     warm.configure(cfg.model)  # how policies are loaded (model.dtype, model.lora, ...)
     runtime.configure(cfg.cluster)  # where rollouts and scoring run (cluster.backend)
+    cfg.workspace()  # the run folder, shared through storage.url when set
     return cfg
 
 
@@ -48,7 +49,7 @@ def _default_data(cfg: PipelineConfig, split: str) -> str:
         plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
         if plain and cfg.data.mapping().identity:
             return path  # else: mapped into the workspace, as `grpo run` does
-    ws = Workspace.create(cfg.output_dir, cfg.run_name)
+    ws = cfg.workspace()
     return prepare.fn(cfg.data, cfg.model, cfg.seed, ws)[split]
 
 
@@ -63,7 +64,7 @@ def rollout_flow(
 ) -> str:
     cfg = _config(config, overrides)
     data = data or _default_data(cfg, "rl")
-    out = out or str(Workspace.create(cfg.output_dir, cfg.run_name).offline_rollouts(iteration))
+    out = out or str(cfg.workspace().offline_rollouts(iteration))
     res = rollout(
         "offline",
         iteration,
@@ -104,9 +105,7 @@ def update_flow(
     """Offline GRPO update of ``policy`` on any scored Parquet; writes a new checkpoint."""
     cfg = _config(config, overrides)
     knobs = cfg.rl.model_dump()
-    out = out or str(
-        Workspace.create(cfg.output_dir, cfg.run_name).offline_update(_tag([scored, policy, knobs]))
-    )
+    out = out or str(cfg.workspace().offline_update(_tag([scored, policy, knobs])))
     res = update("offline", 0, policy, scored, out, cfg.rl, reference_checkpoint=policy)
     return {
         "checkpoint": res.checkpoint,

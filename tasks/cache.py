@@ -11,6 +11,10 @@ model file for a checkpoint directory); equal size and mtime -> trusted without 
 otherwise it is hashed: the same hash -> reused (and the stamp refreshed), another hash or a
 missing output -> recomputed, with one log line that says why. ``force`` reruns regardless.
 Manifests are written atomically, after the outputs.
+
+With ``storage.url`` set (tasks/storage.py), a record is also uploaded to the shared store
+(outputs, then the manifest), and a lookup that finds no manifest here reads the store's and,
+on the same key, downloads the outputs and verifies them as above.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256, policy_id
 from grpo_core.io import write_json
+from tasks import storage
 
 _PACKAGES = ("grpo_core", "tasks")
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
@@ -139,13 +144,13 @@ def _check(
     """``(recorded result, None)`` on a verified hit; ``(None, why)`` when an output fails
     verification; ``(None, None)`` when there is no usable record for ``key``."""
     m = manifest_path(output)
-    if not m.exists():
+    if not m.exists() and not _pull_record(m, key, [output, *(outputs or [])]):
         return None, None
     try:
-        record_ = json.loads(m.read_text())
-    except (OSError, json.JSONDecodeError):
+        record_ = _read_record(m.read_text(), key)
+    except OSError:
         return None, None
-    if not isinstance(record_, dict) or record_.get("key") != key or "result" not in record_:
+    if record_ is None:
         return None, None
     recorded = record_.get("outputs") or {}
     checked, refreshed = {}, False
@@ -159,7 +164,41 @@ def _check(
     if refreshed:  # same bytes, new stamp (a copy, a touch): check by stamp next time
         with contextlib.suppress(OSError):  # a read-only run folder: hashed again next time
             write_json({**record_, "outputs": checked}, m)
+    _ensure_published(m, key, [output, *(outputs or [])])
     return record_["result"], None
+
+
+def _read_record(text: str | None, key: str) -> dict | None:
+    """A manifest's record when it is one for ``key``."""
+    try:
+        record_ = json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(record_, dict) or record_.get("key") != key or "result" not in record_:
+        return None
+    return record_
+
+
+def _pull_record(m: Path, key: str, paths: list[str | Path]) -> bool:
+    """With a shared store: its manifest for ``key`` and the outputs this machine lacks,
+    downloaded (then verified by the caller like any local output). False when the store has
+    no record for ``key``."""
+    store = storage.active()
+    if store is None or _read_record(store.read_text(m), key) is None:
+        return False
+    for p in paths:
+        store.pull(p)
+    return store.pull(m)
+
+
+def _ensure_published(m: Path, key: str, paths: list[str | Path]) -> None:
+    """A local hit whose record the shared store lacks (an upload that failed, a store
+    added later): upload it now, so other machines find it."""
+    store = storage.active()
+    if store is None:
+        return
+    if _read_record(store.read_text(m), key) is None:
+        storage.publish(*paths, m)
 
 
 def lookup(output: str | Path, key: str, *, outputs: list[str | Path] | None = None) -> dict | None:
@@ -172,15 +211,17 @@ def record(
     output: str | Path, key: str, result: dict, *, outputs: list[str | Path] | None = None
 ) -> None:
     m = manifest_path(output)
+    paths = [output, *(outputs or [])]
     write_json(
         {
             "key": key,
             "code_version": code_version(),
             "result": result,
-            "outputs": {_name(p, m): fingerprint(p) for p in [output, *(outputs or [])]},
+            "outputs": {_name(p, m): fingerprint(p) for p in paths},
         },
         m,
     )
+    storage.publish(*paths, m)  # with a shared store: outputs first, the manifest last
 
 
 def cached(

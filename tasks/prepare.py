@@ -13,7 +13,7 @@ from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
-from tasks import warm
+from tasks import storage, warm
 from tasks.common import logger
 from tasks.workspace import Workspace
 
@@ -83,10 +83,12 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
                 out[name] = str(write_jsonl(rows, ws.data(name)))
     if model.source == "demo":
         base = ws.checkpoint("base")
+        storage.pull(base)  # another machine's run of this workspace made it already
         if not (base / "config.json").exists():
             from grpo_core.demo.model import save_base_model
 
             save_base_model(base, seed=seed, **model.demo.model_dump())
+            storage.publish(base)
         out["base"] = str(base)
     else:
         out["base"] = str(resolve_model_path(model.path))  # a directory or a cached hub id

@@ -16,7 +16,7 @@ from grpo_core.checkpoint import policy_id, save_checkpoint
 from grpo_core.config import RLConfig
 from grpo_core.old_logprobs import old_logprobs_source
 from grpo_core.rollouts import group_ids, read_metadata_of, read_scored
-from tasks import warm
+from tasks import storage, warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 from tasks.results import UpdateResult
@@ -57,6 +57,9 @@ def update_from_file(
     from grpo_core.schedule import lr_lambda
     from grpo_core.trainer_state import rng_state, set_rng_state
     from grpo_core.update import build_batch, grpo_update
+
+    # a trainer rank on another node: the inputs it lacks, from the shared store (if any)
+    storage.pull(scored_path, policy_checkpoint, reference_checkpoint, init_checkpoint)
 
     table = read_scored(scored_path)
     cols = table.select(
@@ -162,6 +165,8 @@ def update_from_file(
             info={"scored": scored_path, "global_step": step, **warm.lora_info(w)},
             state_dict=weights,
         )
+        if dp is not None:  # the driver (and the next iteration's ranks) may be elsewhere
+            storage.publish(out_checkpoint)
     if dp is not None:
         dp.barrier()  # the checkpoint exists when any rank returns
     warm.put(out_checkpoint, w)
@@ -213,7 +218,9 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
     what = f"{kwargs.get('stage', 'offline')} iteration {iteration} update"
     args = {**kwargs, "model_options": warm.options()}
     try:
-        return trainer_group(cl).run(update_on_rank, args, what=what)
+        result = trainer_group(cl).run(update_on_rank, args, what=what)
+        storage.pull(kwargs["out_checkpoint"])  # written by rank 0, maybe on another node
+        return result
     except TrainerGroupError:
         out = Path(kwargs["out_checkpoint"])
         for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save

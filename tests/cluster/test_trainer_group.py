@@ -195,6 +195,61 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
     assert set(trainer_group.trainer_group(ray_trainers).pids).isdisjoint(first)
 
 
+@pytest.mark.slow
+def test_trainer_ranks_pull_their_inputs_from_the_shared_store(
+    ray_trainers, tiny_checkpoint, tmp_path
+):
+    """``storage.url`` (tasks/storage.py): the policy and the scored rollouts exist only in
+    the store (a node that never had them); the ranks download them, rank 0 uploads the
+    checkpoint it writes, and the update is the one-process update."""
+    import shutil
+
+    from cluster import trainer_group
+    from tasks import storage
+    from tasks.update import run_update, update_from_file
+
+    rl = load_config(None, OVERRIDES).rl
+    (tmp_path / "src").mkdir()
+    scored = scored_file(tmp_path / "src")
+    expected = update_from_file(
+        str(tiny_checkpoint),
+        scored,
+        str(tmp_path / "one"),
+        rl,
+        reference_checkpoint=str(tiny_checkpoint),
+        stage="rl_1",
+    )
+    run = tmp_path / "node" / "runs" / "demo"
+    policy, rollouts = run / "checkpoints" / "base", run / "rl_1" / "iter_0000" / "scored.parquet"
+    shutil.copytree(tiny_checkpoint, policy)
+    rollouts.parent.mkdir(parents=True)
+    shutil.copy(scored, rollouts)
+    storage.configure(f"file://{tmp_path / 'store'}/runs/demo", run)
+    trainer_group.release()  # the next group's actors get the store in their environment
+    try:
+        storage.publish(policy, rollouts)
+        shutil.rmtree(run)
+        out = run / "rl_1" / "iter_0000" / "checkpoint"
+        res = run_update(
+            iteration=0,
+            policy_checkpoint=str(policy),
+            scored_path=str(rollouts),
+            out_checkpoint=str(out),
+            rl=rl,
+            reference_checkpoint=str(policy),
+            stage="rl_1",
+        )
+        store = storage.active()
+        assert store.fs.isfile(store.remote(out / "model.safetensors"))  # published by rank 0
+        assert policy.is_dir() and rollouts.is_file()  # pulled by the ranks
+    finally:
+        trainer_group.release()
+        storage.configure(None, run)
+    a, b = _weights(expected.checkpoint), _weights(res.checkpoint)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_a_trainer_group_larger_than_the_local_ray_is_refused_at_once(ray_trainers):
     from cluster import trainer_group
     from cluster.trainer_group import TrainerGroupError
