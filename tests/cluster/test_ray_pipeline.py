@@ -52,7 +52,8 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
-    ray_summary = _run(tmp_path, "ray", RAY)
+    store = tmp_path / "store"  # storage.url: the run folder also mirrored (tasks/storage.py)
+    ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
     trainers = trainer_group.running()
@@ -84,6 +85,11 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
         assert pq.read_table(ws.eval_table(stage)).num_rows == 16
     leftovers = [p for p in (tmp_path / "ray").rglob("*") if ".tmp-" in p.name]
     assert leftovers == []
+    mirrored = {p.relative_to(store / "demo").as_posix() for p in store.rglob("*") if p.is_file()}
+    assert not [p for p in mirrored if ".tmp-" in p]
+    for stage in CHECKPOINT_STAGES:
+        assert f"checkpoints/{stage}/model.safetensors" in mirrored
+    assert "rl_1/iter_0001/checkpoint.stage.json" in mirrored  # the trainer group's update
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}
