@@ -57,6 +57,9 @@ class RunStore:
         self.root = self.root.rstrip("/")
         # a file system with an atomic rename (file://, a mounted share) gets temporary names
         self.renames = "file" in _protocols(self.fs)
+        # what this process uploaded or downloaded, by the local copy's stamp then: the same
+        # stamp now is the same bytes, which the store already has
+        self._synced: dict[str, tuple] = {}
 
     # -- paths ---------------------------------------------------------------------------
     def remote(self, path: str | Path) -> str | None:
@@ -81,7 +84,7 @@ class RunStore:
         the store's files it no longer has)."""
         p = Path(path)
         remote = self.remote(p)
-        if remote is None or not p.exists():
+        if remote is None or not p.exists() or self.in_sync(p):
             return
         try:
             if p.is_dir():
@@ -90,6 +93,16 @@ class RunStore:
                 self._put(p, remote)
         except OSError as e:
             raise StorageError(f"uploading {p} to {self.url_of(p)}: {e}") from e
+        self.mark_synced(p)
+
+    def mark_synced(self, path: str | Path) -> None:
+        """Record that the store holds ``path`` as it is now (uploaded or downloaded here,
+        or uploaded by a trainer rank)."""
+        self._synced[str(Path(path).resolve())] = _stamp(Path(path))
+
+    def in_sync(self, path: str | Path) -> bool:
+        known = self._synced.get(str(Path(path).resolve()))
+        return known is not None and known == _stamp(Path(path))
 
     def _publish_dir(self, p: Path, remote: str) -> None:
         names = sorted(
@@ -164,6 +177,7 @@ class RunStore:
         from tasks.common import logger
 
         logger(__name__).info("pulled %s from %s", p, self.url_of(p))
+        self.mark_synced(p)
         return True
 
     def _get_dir(self, remote: str, names: list[str], p: Path) -> None:
@@ -196,6 +210,18 @@ class RunStore:
 
     def as_env(self) -> str:
         return json.dumps({"url": self.url, "local": str(self.local), "options": self.options})
+
+
+def _stamp(p: Path) -> tuple:
+    """Size and modification time of a file, or of each file of a directory."""
+    if p.is_file():
+        st = p.stat()
+        return (st.st_size, st.st_mtime_ns)
+    return tuple(
+        (f.relative_to(p).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
+        for f in sorted(p.rglob("*"))
+        if f.is_file()
+    )
 
 
 def _protocols(fs) -> tuple[str, ...]:
@@ -252,6 +278,12 @@ def pull(*paths: str | Path | None) -> None:
         for p in paths:
             if p is not None:
                 store.pull(p)
+
+
+def mark_synced(path: str | Path) -> None:
+    store = active()
+    if store is not None:
+        store.mark_synced(path)
 
 
 def remove(path: str | Path) -> None:

@@ -219,7 +219,9 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
     args = {**kwargs, "model_options": warm.options()}
     try:
         result = trainer_group(cl).run(update_on_rank, args, what=what)
-        storage.pull(kwargs["out_checkpoint"])  # written by rank 0, maybe on another node
+        # written and uploaded by rank 0, maybe on another node: the store has these bytes
+        storage.pull(kwargs["out_checkpoint"])
+        storage.mark_synced(kwargs["out_checkpoint"])
         return result
     except TrainerGroupError:
         out = Path(kwargs["out_checkpoint"])

@@ -78,6 +78,19 @@ def test_a_republished_directory_drops_the_files_it_no_longer_has(run_dir):
     assert _store_files(store) == ["it/checkpoint/model.safetensors"]
 
 
+def test_an_unchanged_path_is_not_uploaded_again(run_dir):
+    store = storage.active()
+    ckpt = _checkpoint(run_dir / "it" / "checkpoint")
+    storage.publish(ckpt)
+    remote = store.remote(ckpt / "model.safetensors")
+    store.fs.pipe_file(remote, b"changed behind our back")  # shows whether it is rewritten
+    storage.publish(ckpt)
+    assert store.fs.cat_file(remote) == b"changed behind our back"
+    (ckpt / "model.safetensors").write_bytes(b"v" * 1000)  # new bytes, new stamp
+    storage.publish(ckpt)
+    assert store.fs.cat_file(remote) == b"v" * 1000
+
+
 def test_paths_outside_the_run_folder_are_not_mirrored(run_dir, tmp_path):
     store = storage.active()
     user_file = tmp_path / "my_data.jsonl"
