@@ -34,7 +34,8 @@ def _config(config: str | None, overrides: list[str] | None) -> PipelineConfig:
     cfg = load_config(config, list(overrides or []))
     warm.configure(cfg.model)  # how policies are loaded (model.dtype, model.lora, ...)
     runtime.configure(cfg.cluster)  # where rollouts and scoring run (cluster.backend)
-    cfg.workspace()  # the run folder, shared through storage.url when set
+    if cfg.storage.url:  # outputs in the run folder are shared through the store
+        cfg.workspace()
     return cfg
 
 

@@ -169,6 +169,8 @@ def update_from_file(
             storage.publish(out_checkpoint)
     if dp is not None:
         dp.barrier()  # the checkpoint exists when any rank returns
+        if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
+            storage.pull(out_checkpoint)
     warm.put(out_checkpoint, w)
     bad = [h for h in history if not math.isfinite(h["loss"])]
     if bad:
