@@ -38,6 +38,13 @@ INTERRUPTED = re.compile(
 )
 
 
+def _terminal_sigint() -> None:
+    """In the child, before exec: SIGINT as a terminal's foreground process has it. A test run
+    started as a background job (``cmd &`` in a script) ignores SIGINT, and an ignored signal
+    stays ignored across exec, so Ctrl-C would not reach the run."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """One `grpo run` (or another `grpo` command) in its own session (as a shell runs a foreground command), output
     to files that the test reads while it runs."""
@@ -56,7 +63,13 @@ class Run:
         self.out, self.err = tmp / f"{tag}.out", tmp / f"{tag}.err"
         with self.out.open("w") as out, self.err.open("w") as err:
             self.proc = subprocess.Popen(
-                cmd, env=env, cwd=tmp, stdout=out, stderr=err, start_new_session=True
+                cmd,
+                env=env,
+                cwd=tmp,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                preexec_fn=_terminal_sigint,
             )
         self.pid = self.proc.pid
 
@@ -275,7 +288,16 @@ def test_workspace_lock_nests_in_its_thread_and_names_its_owner(tmp_path):
     assert code == 0
 
 
-def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once():
+@pytest.fixture
+def terminal_sigint():
+    """Ctrl-C raises KeyboardInterrupt in this process, as in a terminal, even when pytest
+    was started as a background job (which inherits SIGINT ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once(terminal_sigint):
     from tasks.mlflow_store import signals_deferred
 
     steps = []
