@@ -112,8 +112,8 @@ for svc in "$@"; do
             if (cd "$WORKDIR" && PREFECT_API_URL="$API_URL" MLFLOW_TRACKING_URI="$MLFLOW_URL" \
                 GRPO_WORKDIR="$WORKDIR" PREFECT_HOME="$STATE/prefect" launch worker \
                 "$PY" -m prefect worker start --pool "$POOL" --type process --limit 1); then
-                sleep 1
-                running worker || { tail -n 30 "$STATE/logs/worker.log" >&2; exit 1; }
+                # the worker creates its pool once started: deploying before that fails
+                wait_http worker "$API_URL/work_pools/$POOL" || exit 1
                 echo "worker: polling work pool '$POOL' (pid $(cat "$STATE/worker.pid"))"
             fi
             ;;
