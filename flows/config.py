@@ -104,7 +104,7 @@ class StorageConfig(Section):
 
     url: str | None = Field(
         None,
-        description="fsspec URL the run folder is mirrored to (file:///mnt/shared/runs, "
+        description="fsspec URL the run folder is mirrored to (file:///mnt/nfs/runs, "
         "s3://bucket/runs, memory://runs); empty: the run folder is not shared",
     )
     options: dict[str, Any] = Field(

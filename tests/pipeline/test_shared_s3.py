@@ -41,7 +41,7 @@ def _grpo_run(node: Path, endpoint: str) -> str:
     env.update(CREDENTIALS, PREFECT_HOME=str(node / "prefect-home"), PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "flows.cli", "run"]
     cmd += [a for o in TINY_OVERRIDES for a in ("--set", o)]
-    cmd += ["--set", f"output_dir={node / 'runs'}", "--set", "run_name=shared"]
+    cmd += ["--set", f"output_dir={node / 'runs'}", "--set", "run_name=twonodes"]
     cmd += ["--set", "storage.url=s3://grpo-runs/team"]
     cmd += ["--set", f"storage.options={{endpoint_url: '{endpoint}'}}"]
     node.mkdir(exist_ok=True)
@@ -64,7 +64,7 @@ def test_node_b_reuses_every_stage_node_a_put_in_the_bucket(tmp_path, s3_endpoin
 
     first = _grpo_run(tmp_path / "node_a", s3_endpoint)
     bucket = s3fs.S3FileSystem(endpoint_url=s3_endpoint)
-    names = [f.removeprefix("grpo-runs/team/shared/") for f in bucket.find("grpo-runs/team")]
+    names = [f.removeprefix("grpo-runs/team/twonodes/") for f in bucket.find("grpo-runs/team")]
     assert "checkpoints/cold_start_sft.stage.json" in names
     assert "checkpoints/base/model.safetensors" in names
     assert "checkpoints/rl_2/model.safetensors" in names
@@ -79,11 +79,11 @@ def test_node_b_reuses_every_stage_node_a_put_in_the_bucket(tmp_path, s3_endpoin
     assert "rl_1: 2 of 2 iterations reused from cache" in second
     assert "rl_2: 1 of 1 iterations reused from cache" in second
     assert "pulled" in second
-    run_b = node_b / "runs" / "shared"
+    run_b = node_b / "runs" / "twonodes"
     assert (run_b / "checkpoints" / "rl_2" / "model.safetensors").is_file()
     assert (run_b / "rl_1" / "iter_0001" / "scored.parquet").is_file()
     assert _summary_rows(first) and _summary_rows(first) == _summary_rows(second)
-    run_a = tmp_path / "node_a" / "runs" / "shared"
+    run_a = tmp_path / "node_a" / "runs" / "twonodes"
     for stage in ("cold_start_sft", "rl_1", "re_sft", "rl_2"):  # the same eval tables
         table = Path("eval") / f"{stage}.parquet"
         assert (run_b / table).read_bytes() == (run_a / table).read_bytes()
