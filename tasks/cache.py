@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256, policy_id
-from grpo_core.io import write_json
+from grpo_core.io import atomic_path, write_json
 from tasks import storage
 
 _PACKAGES = ("grpo_core", "tasks")
@@ -144,7 +144,8 @@ def _check(
     """``(recorded result, None)`` on a verified hit; ``(None, why)`` when an output fails
     verification; ``(None, None)`` when there is no usable record for ``key``."""
     m = manifest_path(output)
-    if not m.exists() and not _pull_record(m, key, [output, *(outputs or [])]):
+    pulled = not m.exists() and _pull_record(m, key, [output, *(outputs or [])])
+    if not m.exists():
         return None, None
     try:
         record_ = _read_record(m.read_text(), key)
@@ -164,7 +165,8 @@ def _check(
     if refreshed:  # same bytes, new stamp (a copy, a touch): check by stamp next time
         with contextlib.suppress(OSError):  # a read-only run folder: hashed again next time
             write_json({**record_, "outputs": checked}, m)
-    _ensure_published(m, key, [output, *(outputs or [])])
+    if not pulled:  # a record just downloaded is in the store
+        _ensure_published(m, key, [output, *(outputs or [])])
     return record_["result"], None
 
 
@@ -184,11 +186,14 @@ def _pull_record(m: Path, key: str, paths: list[str | Path]) -> bool:
     downloaded (then verified by the caller like any local output). False when the store has
     no record for ``key``."""
     store = storage.active()
-    if store is None or _read_record(store.read_text(m), key) is None:
+    text = store.read_text(m) if store is not None else None
+    if _read_record(text, key) is None:
         return False
     for p in paths:
         store.pull(p)
-    return store.pull(m)
+    with atomic_path(m) as tmp:  # the manifest as read, after its outputs
+        tmp.write_text(text)
+    return True
 
 
 def _ensure_published(m: Path, key: str, paths: list[str | Path]) -> None:

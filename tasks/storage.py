@@ -244,6 +244,12 @@ def configure(url: str | None, local: str | Path, options: dict[str, Any] | None
         _active, _from_env = None, None
         os.environ.pop(STORAGE_ENV, None)
         return
+    if _active is not None and (_active.url, _active.local, _active.options) == (
+        url.rstrip("/"),
+        Path(local).resolve(),
+        dict(options or {}),
+    ):
+        return  # the same store again (each stage command asks): keep what it knows
     _active = RunStore(url, local, options)
     _from_env = os.environ[STORAGE_ENV] = _active.as_env()
     log.info("run folder %s is shared through %s", _active.local, _active.url)

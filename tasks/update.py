@@ -58,9 +58,7 @@ def update_from_file(
     from grpo_core.trainer_state import rng_state, set_rng_state
     from grpo_core.update import build_batch, grpo_update
 
-    # a trainer rank on another node: the inputs it lacks, from the shared store (if any)
-    storage.pull(scored_path, policy_checkpoint, reference_checkpoint, init_checkpoint)
-
+    storage.pull(scored_path)
     table = read_scored(scored_path)
     cols = table.select(
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
@@ -75,6 +73,12 @@ def update_from_file(
         keep = informative.nonzero().squeeze(-1).tolist()
         extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
     init = init_checkpoint or reference_checkpoint or policy_checkpoint
+    # a trainer rank on another node: the inputs this update reads that its node lacks
+    storage.pull(
+        policy_checkpoint,
+        reference_checkpoint if rl.beta > 0 else None,
+        init if warm.options().lora is not None else None,  # the LoRA adapter's base
+    )
     w = warm.get(policy_checkpoint, mutate=True, lora_base=init)
     tok = w.tokenizer
     dp = data_parallel
