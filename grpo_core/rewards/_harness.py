@@ -1,282 +1,301 @@
-"""Runs INSIDE the sandbox (``python -I -B -c <this file's text> <verdict_fd>``). Stdlib only.
+"""The trusted harness: runs INSIDE the sandbox as ``python -I -B -c <_seccomp.py + _wire.py +
+this file's text> <verdict_fd>``. Stdlib only.
 
-It reads a JSON payload from stdin (program, tests, nonce), closes stdin, compiles the program
-and the tests (every ``assert`` rewritten to record its own outcome), runs the program, then
-the tests, and writes one JSON line per event to the verdict pipe: ``[nonce, kind, id, ok,
-message]``. The scorer trusts nothing else: not the exit code, not stdout. A program that exits
-early (``sys.exit``, ``os._exit``, an ``atexit`` hook, a signal) simply leaves asserts
-unrecorded, and those count as failed. Records from a forked child are dropped (pid check),
-and records without the nonce are ignored by the scorer.
+It reads a JSON payload from stdin (program, tests, nonce, the candidate process's code),
+closes stdin, and starts the **candidate process** (``_candidate.py``, a fresh interpreter:
+nothing of this process's memory, no nonce and no verdict pipe reach it). The model's program
+runs only there. The tests run here, in this process, against proxies: every name the tests
+take from the program (``credit.analyse``) is a :class:`Remote` whose call sends the
+arguments to the candidate process and returns its answer decoded as plain builtin values
+(``_wire.py``), or a plain value the program defined. Every assert is decided here on those
+values, and only this process writes to the verdict pipe, one JSON line per event:
+``[nonce, kind, id, ok, message]``. Records of a forked child are dropped (pid check);
+records without the nonce are ignored by the scorer.
 
-Against a program that tampers with the process it shares with the harness:
-- everything of the harness lives in the scope of ``_harness()`` (``import __main__`` finds
-  no nonce, no verdict fd, no check function); the tests run in their own namespace, with a
-  copy of the builtins taken before the program ran (patched builtins do not reach them) and
-  with the check functions the program's ``globals()`` does not contain;
-- the tests are parsed, rewritten and compiled before the program runs (patching ``ast`` or
-  ``compile`` changes nothing); the harness uses builtins and C functions captured at start
-  (patching ``bool``, ``type``, ``exec``, ``json`` or ``os.write`` changes nothing);
-- only plain builtin values (or numpy's own C types) decide an assert, checked by identity:
-  an object whose ``__eq__``/``__bool__`` always says yes fails, whatever its ``__module__``
-  or metaclass claims.
-What remains (documented in docs/rewards.md): a program that digs the harness's objects out of
-the interpreter's memory (``gc``, frames, ``/proc/self/mem``) could forge a pass.
+The harness is not dumpable (the candidate process, same uid in some modes, cannot trace it
+or open its /proc files) and locks itself with seccomp once the candidate runs (no new
+process or namespace). When the candidate process dies (``os._exit``, a signal, a limit),
+every later call fails, and its exit status is reported (``"candidate"`` record) so the
+scorer can say why.
 """
 
 import ast
 import builtins
-import json.encoder
+import json
 import os
-import secrets
+import subprocess
 import sys
+
+
+class CandidateError(Exception):
+    """An exception the candidate raised that is not a builtin ``Exception`` type here."""
+
+
+class CandidateGone(Exception):
+    """The candidate process ended: no call can be answered."""
+
+
+class _Link:
+    def __init__(self, code):
+        req_r, req_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-B", "-c", code, str(req_r), str(rep_w)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            pass_fds=(req_r, rep_w),
+        )
+        os.close(req_r)
+        os.close(rep_w)
+        self.req, self.reader, self.gone = req_w, WireReader(rep_r), None  # noqa: F821
+        self.on_gone = None
+
+    def ask(self, message):
+        if self.gone is not None:
+            raise CandidateGone(self.gone)
+        try:
+            wire_send(self.req, message)  # noqa: F821 (_wire.py)
+            reply = self.reader.read()
+        except OSError:
+            reply = None
+        if reply is None:
+            rc = self.proc.wait()
+            self.gone = f"the candidate process ended (exit status {rc})"
+            if self.on_gone:
+                self.on_gone(rc)
+            raise CandidateGone(self.gone)
+        return reply
+
+    def close(self):
+        try:
+            os.close(self.req)
+            self.proc.kill()
+            self.proc.wait()
+        except OSError:
+            pass
+
+
+def _exception(reply):
+    name, text = str(reply.get("type")), str(reply.get("error"))
+    cls = getattr(builtins, name, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(text.split(": ", 1)[1] if ": " in text else "")
+        except Exception:
+            pass
+    return CandidateError(text)
+
+
+def _apply_mutations(args, changed):
+    for i, enc in changed.items():
+        orig, new = args[int(i)], wire_decode(enc)  # noqa: F821
+        if type(orig) is not type(new):
+            continue
+        if type(orig) is list:
+            orig[:] = new
+        else:
+            orig.clear()
+            orig.update(new)
+
+
+class Remote:
+    """A function of the program, called in the candidate process by value."""
+
+    def __init__(self, link, name):
+        self._link, self._name = link, name
+
+    def __call__(self, *args, **kwargs):
+        message = {
+            "name": self._name,
+            "args": wire_encode(list(args)),  # noqa: F821
+            "kwargs": {"dict": {k: wire_encode(v) for k, v in kwargs.items()}},  # noqa: F821
+        }
+        reply = self._link.ask(message)
+        if reply.get("ok") is not True:
+            raise _exception(reply)
+        if type(reply.get("args")) is dict:
+            _apply_mutations(args, reply["args"])
+        return wire_decode(reply.get("value"))  # noqa: F821
+
+    def __repr__(self):
+        return f"<the program's {self._name}>"
+
+
+class Refused:
+    """A name of the program whose value cannot cross (an object, a class instance...)."""
+
+    def __init__(self, name, why):
+        self._why = f"the program's {name!r} is not a plain value: {why}"
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(self._why)
+
+    __call__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _refuse
+    __len__ = __iter__ = __contains__ = __getitem__ = __hash__ = _refuse
+
+    def __getattr__(self, name):
+        self._refuse()
+
+    def __repr__(self):
+        return f"<{self._why}>"
 
 
 def _harness():
     fd = int(sys.argv[1])
     raw = sys.stdin.buffer.read()
     os.close(0)
-    os.open(os.devnull, os.O_RDONLY)  # fd 0 again, now empty: stdin cannot be re-read
+    os.open(os.devnull, os.O_RDONLY)
     payload = json.loads(raw)
     del raw
-    nonce = payload.pop("nonce")
-    pid = os.getpid()
-    write, getpid, escape = os.write, os.getpid, json.encoder.encode_basestring_ascii
-    pristine = dict(builtins.__dict__)  # the tests' builtins: a copy the program never sees
-    b_type, b_bool, b_str, b_id, b_all = type, bool, str, id, all
-    b_exec, b_compile, b_zip = exec, compile, zip
-    base_exc, system_exit, os_error = BaseException, SystemExit, OSError
-    tuple_t, dict_t = tuple, dict
-    plain_ids = frozenset(
-        id(t)
-        for t in (bool, int, float, complex, str, bytes, type(None), list, tuple, dict, set)
-        + (frozenset,)
-    )
-    seq_ids = frozenset(id(t) for t in (list, tuple, set, frozenset))
-    type_flags = type.__dict__["__flags__"].__get__
-    type_module = type.__dict__["__module__"].__get__
-    heap_type = 1 << 9  # Py_TPFLAGS_HEAPTYPE: every class defined in Python code
+    nonce, pid = payload.pop("nonce"), os.getpid()
 
     def emit(kind, ident, ok, message=""):
-        if getpid() != pid:  # a forked child of the program does not speak for the run
+        if os.getpid() != pid:
             return
-        if b_type(message) is not b_str:
-            message = "?"
-        line = "".join(
-            ['["', nonce, '","', kind, '","', ident, '",', "true" if ok is True else "false"]
-            + [",", escape(message), "]\n"]
+        line = json.dumps(
+            [nonce, kind, ident, ok is True, str(message)[:300]], separators=(",", ":")
         )
         try:
-            write(fd, line.encode("utf-8", "replace"))
-        except os_error:  # closed by the program: its asserts simply go unrecorded
+            os.write(fd, (line + "\n").encode("utf-8", "replace"))
+        except OSError:
             return
 
     def msg(exc):
-        try:
-            name = b_type(exc).__name__
-            text = b_str(exc)
-            out = "".join([name, ": " if text else "", text])
-        except base_exc:
-            out = "?"
-        return out[:300] if b_type(out) is b_str else "?"
-
-    def numpy_type(t):
-        """numpy's own C types (ndarray, numpy scalars): static types whose module is numpy."""
-        try:
-            return b_type(t) is type and not type_flags(t) & heap_type and type_module(t) == "numpy"
-        except base_exc:
-            return False
-
-    def plain(value, depth=0):
-        """Only builtin values (recursively, bounded) may decide an assert: a program-defined
-        object whose __eq__/__bool__ always says yes must not pass the tests."""
-        t = b_type(value)
-        if b_id(t) not in plain_ids:
-            return numpy_type(t)  # numpy scalars/arrays from np.isclose etc.
-        if depth > 20:
-            return False
-        if b_id(t) in seq_ids:
-            return b_all(plain(v, depth + 1) for v in value)
-        if t is dict_t:
-            return b_all(plain(k, depth + 1) and plain(v, depth + 1) for k, v in value.items())
-        return True
+        text = str(exc)
+        return (type(exc).__name__ + (": " + text if text else ""))[:300]
 
     def check(ident, thunk):
         try:
-            value = thunk()
-            ok = plain(value) and b_bool(value) is True
-        except base_exc as exc:  # SystemExit/KeyboardInterrupt from the candidate: a fail
+            ok = bool(thunk()) is True
+        except Exception as exc:
             emit("assert", ident, False, msg(exc))
             return
         emit("assert", ident, ok, "" if ok else "assertion failed")
 
-    def eq(a, b):
-        if not (plain(a) and plain(b)):
-            return False
-        return a == b
-
     def ne(a, b):
-        if not (plain(a) and plain(b)) or (a is None) != (b is None):
+        if (a is None) != (b is None):
             return False  # a stub's None is not "anything but 3"
         return a != b
-
-    class NotPlain(Exception):
-        pass
-
-    def plain_or_fail(value):
-        """A value from the candidate, used in an assert: builtin (or numpy) values only."""
-        if plain(value):
-            return value
-        raise NotPlain(f"the candidate gave a {b_type(value).__name__}, not a builtin value")
 
     def not_(value):
         """``assert not X`` passes only for a real false bool: a stub's ``None`` (or ``0``,
         ``[]``) is not the answer ``False``."""
-        t = b_type(value)
-        if t is bool or numpy_type(t):
-            return not value
-        return False
+        return value is False
 
+    set_not_dumpable()  # noqa: F821 (_seccomp.py)
     kind = payload["kind"]
-    token = secrets.token_hex(8)
-    names = tuple_t(f"_grpo_{n}_{token}" for n in ("check", "eq", "ne", "not", "plain"))
-    helpers = dict_t(b_zip(names, (check, eq, ne, not_, plain_or_fail), strict=True))
-    candidates = frozenset(payload.get("candidates") or ())
-
-    def rewrite(source, prefix):
-        tree = _Rewrite(names, prefix, candidates).visit(ast.parse(source))
-        ast.fix_missing_locations(tree)
-        return b_compile(tree, "<tests>", "exec")
-
-    # compile everything before the program runs: it cannot patch how tests are compiled
+    helpers = {"_grpo_check": check, "_grpo_ne": ne, "_grpo_not": not_}
     tests, tests_error = [], None
     if kind != "run":
         try:
             if payload.get("setup"):
-                tests.append((None, b_compile(payload["setup"], "<setup>", "exec")))
-            if kind == "asserts":
-                for i, src in enumerate(payload["tests"]):
-                    try:
-                        tests.append((f"a{i}.0", rewrite(src, f"a{i}.")))
-                    except base_exc as exc:
-                        tests.append((f"a{i}.0", msg(exc)))
-            else:
-                tests.append((None, rewrite(payload["tests"], "t")))
-        except base_exc as exc:
+                tests.append((None, compile(payload["setup"], "<setup>", "exec")))
+            sources = (
+                [(f"a{i}.", s) for i, s in enumerate(payload["tests"])]
+                if kind == "asserts"
+                else [("t", payload["tests"])]
+            )
+            for prefix, src in sources:
+                ident = f"{prefix}0" if kind == "asserts" else None
+                try:
+                    tree = _Rewrite(prefix).visit(ast.parse(src))
+                    ast.fix_missing_locations(tree)
+                    tests.append((ident, compile(tree, "<tests>", "exec")))
+                except Exception as exc:
+                    if ident is None:
+                        raise
+                    tests.append((ident, msg(exc)))
+        except Exception as exc:
             tests_error = msg(exc)
-    entry = payload.get("entry_point")
-    ns = {"__name__": "__main__" if kind == "run" else "__candidate__", "__builtins__": builtins}
-    emit("start", "", True)
+
+    link = _Link(payload["candidate_code"])
+    link.on_gone = lambda rc: emit("candidate", "", False, str(rc))
     try:
-        code = b_compile(payload["program"], "<program>", "exec")
-    except base_exc as exc:
-        emit("program", "", False, msg(exc))
-        code = None
-    del payload
-    if code is not None:
-        try:
-            b_exec(code, ns)
-        except system_exit as exc:
-            try:
-                clean = exc.code is None or (b_type(exc.code) is int and exc.code == 0)
-            except base_exc:
-                clean = False
-            emit("program", "", clean, msg(exc))
-        except base_exc as exc:
-            emit("program", "", False, msg(exc))
-        else:
-            emit("program", "", True)
+        seccomp_lock(processes=False)  # noqa: F821
+    except OSError as exc:
+        _setup_failed(f"seccomp: {exc}")
+    emit("start", "", True)
+    names = list(payload.get("candidates") or ())
+    try:
+        first = link.ask({"program": payload["program"], "main": kind == "run", "names": names})
+    except CandidateGone:
+        first = None
+    del payload["program"]
+    if first is not None and "setup" in first:
+        _setup_failed(str(first["setup"]).split(": ", 1)[-1])
+    if first is not None:
+        emit("program", "", first.get("ok") is True, first.get("error") or "")
     if kind != "run":
-        tns = dict_t(ns)  # the program's names, then the tests' own builtins and helpers
-        tns["__builtins__"] = dict_t(pristine)
-        tns["__name__"] = "__tests__"
-        tns.update(helpers)
+        tns = {"__name__": "__tests__", "__builtins__": builtins, **helpers}
+        described = first.get("names") if first is not None else None
+        for name in names:
+            info = described.get(name) if type(described) is dict else None
+            if type(info) is not dict or "callable" in info:
+                tns[name] = Remote(link, name)  # a dead candidate: every call fails
+            elif "value" in info:
+                try:
+                    tns[name] = wire_decode(info["value"])  # noqa: F821
+                except Exception as exc:
+                    tns[name] = Refused(name, msg(exc))
+            elif "refused" in info:
+                tns[name] = Refused(name, info["refused"])
         try:
             if tests_error is not None:
                 raise RuntimeError(tests_error)
             for ident, compiled in tests:
-                if b_type(compiled) is b_str:  # an assert entry that does not compile
+                if type(compiled) is str:  # an assert entry that does not compile
                     emit("assert", ident, False, compiled)
                     continue
                 try:
-                    b_exec(compiled, tns)
-                except base_exc as exc:
+                    exec(compiled, tns)
+                except Exception as exc:
                     if ident is None:
                         raise
                     emit("assert", ident, False, msg(exc))
+            entry = payload.get("entry_point")
             if entry and kind == "humaneval":
-                tns["check"](ns[entry])
-        except base_exc as exc:
+                tns["check"](tns.get(entry, Remote(link, entry)))
+        except Exception as exc:
             emit("tests", "", False, msg(exc))
+    link.close()
     emit("done", "", True)
 
 
-class _Rewrite(ast.NodeTransformer):
-    """``assert X`` -> ``CHECK(id, lambda: X')`` where X' has ``a == b`` -> ``EQ(a, b)``,
-    ``a != b`` -> ``NE(a, b)``, at the top ``not Y`` -> ``NOT(Y)``, and every value from the
-    candidate (a call of a candidate name, a candidate-derived variable) -> ``PLAIN(value)``."""
+def _setup_failed(why):
+    os.write(2, f"sandbox setup failed: {why}\n".encode())
+    os._exit(125)
 
-    def __init__(self, names, prefix, candidates):
-        self.names, self.prefix, self.count, self.candidates = names, prefix, 0, candidates
+
+class _Rewrite(ast.NodeTransformer):
+    """``assert X`` -> ``_grpo_check(id, lambda: X')`` where X' has ``a != b`` ->
+    ``_grpo_ne(a, b)`` and, at the top, ``not Y`` -> ``_grpo_not(Y)``. Ids: the prefix and the
+    assert's index in visiting order (depth-first, source order), as ``credit.py`` counts."""
+
+    def __init__(self, prefix):
+        self.prefix, self.count = prefix, 0
 
     def visit_Assert(self, node):
-        test = _PlainRewrite(self.names[4], self.candidates).visit(node.test)
+        test = node.test
         negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
-        test = _EqRewrite(self.names).visit(test.operand if negated else test)
+        test = _NeRewrite().visit(test.operand if negated else test)
         if negated:
-            test = ast.Call(ast.Name(self.names[3], ast.Load()), [test], [])
+            test = ast.Call(ast.Name("_grpo_not", ast.Load()), [test], [])
         ident = self.prefix + str(self.count)
         self.count += 1
         call = ast.Call(
-            func=ast.Name(self.names[0], ast.Load()),
+            func=ast.Name("_grpo_check", ast.Load()),
             args=[ast.Constant(ident), ast.Lambda(_no_args(), test)],
             keywords=[],
         )
         return ast.copy_location(ast.Expr(call), node)
 
 
-class _PlainRewrite(ast.NodeTransformer):
-    def __init__(self, plain_name, candidates):
-        self.plain_name, self.candidates = plain_name, candidates
-
-    def wrap(self, node):
-        call = ast.Call(ast.Name(self.plain_name, ast.Load()), [node], [])
-        return ast.copy_location(call, node)
-
-    def visit_Call(self, node):
-        func = node.func
-        if isinstance(func, ast.Name):  # f(...): the function itself is not a value
-            node.args = [self.visit(a) for a in node.args]
-            node.keywords = [self.visit(k) for k in node.keywords]
-        else:
-            self.generic_visit(node)
-        return (
-            self.wrap(node) if isinstance(func, ast.Name) and func.id in self.candidates else node
-        )
-
-    def visit_Attribute(self, node):  # math.pi, np.isclose: a module is not a value
-        if not isinstance(node.value, ast.Name):
-            node.value = self.visit(node.value)
-        return node
-
-    def visit_Name(self, node):
-        if isinstance(node.ctx, ast.Load) and node.id in self.candidates:
-            return self.wrap(node)
-        return node
-
-    def visit_Lambda(self, node):  # its body runs later, outside this assert's check
-        return node
-
-
-class _EqRewrite(ast.NodeTransformer):
-    def __init__(self, names):
-        self.names = names
-
+class _NeRewrite(ast.NodeTransformer):
     def visit_Compare(self, node):
         self.generic_visit(node)
-        if len(node.ops) != 1 or type(node.ops[0]) not in (ast.Eq, ast.NotEq):
+        if len(node.ops) != 1 or not isinstance(node.ops[0], ast.NotEq):
             return node
-        name = self.names[1] if isinstance(node.ops[0], ast.Eq) else self.names[2]
-        call = ast.Call(ast.Name(name, ast.Load()), [node.left, node.comparators[0]], [])
+        call = ast.Call(ast.Name("_grpo_ne", ast.Load()), [node.left, node.comparators[0]], [])
         return ast.copy_location(call, node)
 
 

@@ -11,8 +11,9 @@ it, a *candidate name*:
 
 Derived values: a test variable assigned (``=``, ``+=``, ``for ... in``, ``with ... as``,
 ``:=``) from an expression using a candidate name, a container mutated with one
-(``out.append(candidate(x))``, ``d[k] = candidate(x)``), and the parameters of a test-defined
-function called with one. ``assert True`` or ``assert 1 == 1`` counts for nothing: it would be
+(``out.append(candidate(x))``, ``d[k] = candidate(x)``), a variable passed to a call made
+for its effect (``sort_in_place(xs)`` as a statement: it may change ``xs`` in place), and
+the parameters of a test-defined function called with one. ``assert True`` or ``assert 1 == 1`` counts for nothing: it would be
 free credit for a program that does nothing.
 
 Assert ids follow the harness's numbering (``_harness.py``: depth-first, in source order; a
@@ -176,6 +177,11 @@ def _propagate(trees: list[ast.Module], tainted: set[str]) -> set[str]:
                     edges.append((args, receiver))  # (math.fabs(...) changes no module)
                 elif isinstance(node.func, ast.Name) and node.func.id in functions:
                     edges.append((args, functions[node.func.id]))
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                call = node.value  # called for its effect: sort_in_place(xs) changes xs
+                if isinstance(call.func, ast.Name):
+                    changed = [n for a in call.args for n in _base_name(a) if n not in imported]
+                    edges.append(({call.func.id}, changed))
     changed = True
     while changed:
         changed = False

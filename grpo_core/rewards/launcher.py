@@ -34,8 +34,15 @@ from grpo_core.rewards.verdict import RunResult, read_verdict
 if TYPE_CHECKING:
     from grpo_core.rewards.isolation import Isolation
 
-_HARNESS = (Path(__file__).with_name("_harness.py")).read_text()
-_NSINIT = (Path(__file__).with_name("_nsinit.py")).read_text()
+
+def _source(*names: str) -> str:
+    return "\n".join(Path(__file__).with_name(n).read_text() for n in names)
+
+
+# the trusted harness and the candidate process each run as one ``python -c`` text
+_HARNESS = _source("_seccomp.py", "_wire.py", "_harness.py")
+CANDIDATE = _source("_seccomp.py", "_wire.py", "_candidate.py")
+_NSINIT = _source("_nsinit.py")
 _MAX_VERDICT_BYTES = 4 << 20
 _STDERR_TAIL = 2000
 
@@ -152,7 +159,7 @@ def run_isolated(
 ) -> RunResult:
     nonce = secrets.token_hex(16)
     uid = 100_000 + secrets.randbelow(800_000)
-    data = json.dumps({**payload, "nonce": nonce}).encode()
+    data = json.dumps({**payload, "nonce": nonce, "candidate_code": CANDIDATE}).encode()
     workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")  # none: cwd; namespaces: mount point
     vr, vw = os.pipe()  # the verdict
     ir, iw = os.pipe()  # the sandbox's pid-1, as "<pid>" (namespaces) or bwrap's JSON

@@ -21,21 +21,22 @@ Guarantees of ``bwrap`` and ``namespaces`` (tests/rewards/test_sandbox.py runs e
 program class under each mode the machine has): no write outside the private tmpfs, no
 network, no signal to any host process, neither the scorer's environment nor any host
 ``/proc/<pid>/environ`` readable, nothing left running once the verdict is returned (the
-sandbox's pid-1 is killed and its exit waited for through a pidfd, so a double-forked
-``setsid`` daemon dies too), CPU and memory capped (``RLIMIT_CPU``, ``RLIMIT_AS`` per process,
-``RLIMIT_NPROC`` for the random uid, tmpfs size). When the scorer is root the program runs as
+sandbox's pid-1 is killed and its exit waited for through a pidfd), CPU and memory capped
+(``RLIMIT_CPU``, ``RLIMIT_AS`` of the program's one process, ``RLIMIT_NPROC`` for the random
+uid, tmpfs size), no nested namespace. When the scorer is root the program runs as
 a random unprivileged uid: root ignores ``RLIMIT_NPROC``.
 
 Always: own session/process group, ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
 ``RLIMIT_NOFILE``, ``RLIMIT_NPROC``, ``RLIMIT_CORE=0``, a wall-clock timeout, a scrubbed
 environment (only ``PATH``, ``LANG``, ``HOME``, ``TMPDIR``).
 
-The verdict comes only from a pipe held open by the scorer, one JSON record per assert, each
-carrying a per-run random nonce the program never sees on disk or in argv (see
-``_harness.py``); only asserts that exercise the candidate count (``credit.py``). Exit codes
-and output are never trusted. Residual risk, documented: a program that introspects the
-harness's own memory (``gc``, frames) in its process could recover the nonce; closing that
-needs a process per assert.
+The program runs in a candidate process of its own (``_candidate.py``), one process (a seccomp
+filter refuses new processes and namespaces, ``_seccomp.py``); the tests run in the harness
+(``_harness.py``), against proxies that call the program by value and receive only plain
+values (``_wire.py``). The verdict comes only from a pipe the harness holds, one JSON record
+per assert run, each with a per-run nonce the candidate process never has; credit is per
+assert statement of the tests that exercise the candidate (``credit.py``), one that never ran
+counting as failed. Exit codes and output are never trusted.
 
 Layout: :mod:`grpo_core.rewards.isolation` chooses the mode (probed once per process),
 :mod:`grpo_core.rewards.launcher` starts one program under it and cleans up,

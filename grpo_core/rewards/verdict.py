@@ -2,8 +2,8 @@
 
 The harness (``_harness.py``) writes one JSON record per event, ``[nonce, kind, id, ok,
 message]``, to a pipe the scorer holds open; :func:`read_verdict` keeps only the records that
-carry this run's nonce, counts only the asserts that exercise the candidate (``credit.py``;
-those never reached count as failed), and turns the launcher's outcome (timeout, signal,
+carry this run's nonce, counts only the asserts that exercise the candidate (``credit.py``),
+per statement (those never reached count as failed), and turns the launcher's outcome (timeout, signal,
 early exit, failed namespace setup) into a status and a one-line error. Exit codes and output
 are never trusted for the score.
 """
@@ -23,9 +23,9 @@ class RunResult:
 
     status: "ok" (harness finished), "timeout" (wall clock), "killed" (by a signal: CPU limit,
         memory...), "exited" (ended before the harness finished: early exit, crash).
-    passed / total: executions of the asserts that exercise the candidate, passed / counted
-        (unrun ones count when the run did not finish). program_ok: the program body ran
-        without raising.
+    passed / total: assert statements that exercise the candidate, passed / counted (one
+        passes when it ran and held every time; one that never ran is failed). program_ok:
+        the program body ran without raising.
     error: one line for the error column (None when every assert passed).
     """
 
@@ -56,12 +56,19 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
     kinds = {r[0] for r in records}
     finished = "done" in kinds
     program_ok = any(k == "program" and ok for k, _, ok, _ in records)
-    asserts = [r for r in records if r[0] == "assert" and r[1] in counted]
-    passed = sum(r[2] for r in asserts)
-    total = len(asserts)
+    runs: dict[str, list[tuple[bool, str]]] = {}
+    for k, ident, ok, message in records:
+        if k == "assert" and ident in counted:
+            runs.setdefault(ident, []).append((ok, message))
+    # credit per assert statement: passed when it ran and every one of its runs passed; one
+    # that never ran (an empty loop, a crash, a timeout) is a failed statement
+    passed = sum(1 for i in counted if runs.get(i) and all(ok for ok, _ in runs[i]))
+    total = len(counted)
+    never_ran = sum(1 for i in counted if i not in runs)
     tests_error = next((r[3] for r in records if r[0] == "tests" and not r[2]), None)
-    if not finished or tests_error:  # asserts never reached count as failed
-        total += sum(1 for i in counted if i not in {r[1] for r in asserts})
+    gone = next((r[3] for r in records if r[0] == "candidate"), None)
+    if gone is not None and finished:  # the candidate process died: say how, as for the run
+        finished, rc = False, int(gone) if gone.lstrip("-").isdigit() else rc
     setup_failed = rc == _SETUP_FAILED and "sandbox setup failed" in tail
     if timed_out:
         status, error = "timeout", f"timeout: killed after {limits.wall_seconds:g}s wall clock"
@@ -78,13 +85,14 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
         status, error = "exited", f"exited with code {rc} before the tests finished"
     if error is None:
         prog_err = next((r[3] for r in records if r[0] == "program" and not r[2]), None)
-        first_fail = next((r[3] for r in asserts if not r[2]), None)
+        first_fail = next((m for i in counted for ok, m in runs.get(i, ()) if not ok and m), None)
         parts = [f"program raised {prog_err}"] if prog_err else []
         if tests_error:
             parts.append(f"tests raised {tests_error}")
         if passed < total:
             parts.append(
                 f"{total - passed}/{total} asserts failed"
+                + (f" ({never_ran} never ran)" if never_ran else "")
                 + (f": {first_fail}" if first_fail else "")
             )
         if total == 0 and payload.get("kind") != "run":

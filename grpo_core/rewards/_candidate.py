@@ -1,0 +1,104 @@
+"""The candidate process: runs INSIDE the sandbox as ``python -I -B -c <_seccomp.py + _wire.py +
+this file's text> <request fd> <reply fd>``, started by the harness (``_harness.py``). Stdlib
+only.
+
+This is the only process that runs the model's program. It holds nothing that decides a
+verdict: no nonce, no verdict pipe, no test. Before it reads the program it locks itself
+(``_seccomp.py``: no new process, no namespace, no tracing, dies with the harness). Then:
+
+1. the first request is ``{"program", "main", "names"}``: the program runs (as ``__main__``
+   for ``code_runs``), and the reply says whether it raised and what each name of ``names``
+   (the names the tests take from the program) is: ``"callable"``, a plain value, or why not;
+2. each further request ``{"name", "args", "kwargs"}`` calls that name with the decoded
+   arguments; the reply carries the result as a plain value (``_wire.py``: an object of the
+   program's, a numpy object array, a generator are refused), or the exception's type name
+   and message, and the list/dict/set arguments as the call left them (a test may check an
+   in-place change).
+
+Whatever the program does to this process (patch this code, forge replies, exit), the harness
+only ever receives plain data on its pipe, and decides every assert itself.
+"""
+
+import builtins as _builtins
+import sys as _sys
+
+
+def _message(exc):
+    try:
+        text = str(exc)
+        return (type(exc).__name__ + (": " + text if text else ""))[:300]
+    except BaseException:
+        return "?"
+
+
+def _describe(ns, names):
+    out = {}
+    for name in names:
+        if name not in ns:
+            out[name] = {"missing": True}
+        elif callable(ns[name]):
+            out[name] = {"callable": True}
+        else:
+            try:
+                out[name] = {"value": wire_encode(ns[name])}  # noqa: F821 (_wire.py)
+            except BaseException as exc:
+                out[name] = {"refused": _message(exc)}
+    return out
+
+
+def _mutable_args(args):
+    out = {}
+    for i, a in enumerate(args):
+        if type(a) in (list, dict, set):
+            try:
+                out[str(i)] = wire_encode(a)  # noqa: F821
+            except BaseException:  # noqa: SIM105 (no contextlib import in the sandbox)
+                continue
+    return out
+
+
+def _serve():
+    req, rep = int(_sys.argv[1]), int(_sys.argv[2])
+    send = wire_send  # noqa: F821
+    try:
+        set_pdeathsig_kill()  # noqa: F821 (_seccomp.py)
+        seccomp_lock(processes=False)  # noqa: F821
+    except OSError as exc:
+        send(rep, {"setup": f"sandbox setup failed: seccomp: {exc}"})
+        return
+    reader = WireReader(req)  # noqa: F821
+    first = reader.read()
+    if not isinstance(first, dict):
+        return
+    main = first.get("main") is True
+    ns = {"__name__": "__main__" if main else "__candidate__", "__builtins__": _builtins}
+    ok, error = True, ""
+    try:
+        code = compile(first["program"], "<program>", "exec")
+        del first["program"]
+        exec(code, ns)
+    except SystemExit as exc:
+        ok = exc.code is None or (type(exc.code) is int and exc.code == 0)
+        error = "" if ok else _message(exc)
+    except BaseException as exc:
+        ok, error = False, _message(exc)
+    send(rep, {"ok": ok, "error": error, "names": _describe(ns, first.get("names") or [])})
+    while (request := reader.read()) is not None:
+        try:
+            name = request["name"]
+            if name not in ns:
+                raise NameError(f"name {name!r} is not defined")
+            fn = ns[name]
+            args = wire_decode(request["args"])  # noqa: F821
+            kwargs = wire_decode(request["kwargs"])  # noqa: F821
+            value = fn(*args, **kwargs)
+            reply = {"ok": True, "value": wire_encode(value), "args": _mutable_args(args)}  # noqa: F821
+        except BaseException as exc:
+            reply = {"ok": False, "type": type(exc).__name__, "error": _message(exc)}
+        try:
+            send(rep, reply)
+        except (TypeError, ValueError) as exc:  # e.g. a float key JSON cannot hold
+            send(rep, {"ok": False, "type": "TypeError", "error": _message(exc)})
+
+
+_serve()
