@@ -56,7 +56,7 @@ MODEL_FILES = (
 MODEL_DIRS = ("additional_chat_templates", "adapter")
 
 STATS = {"files_hashed": 0}  # files read in full by file_sha256 (tests count them)
-_MEMO: dict[tuple[int, int, int, int], str] = {}  # (dev, inode, size, mtime_ns) -> sha256
+_MEMO: dict[tuple, str] = {}  # (dev, inode, size, mtime_ns, ctime_ns) -> sha256
 _MEMO_LOCK = threading.Lock()
 
 
@@ -70,17 +70,18 @@ def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def stamp(path: str | Path) -> tuple[int, int]:
-    """``(size, mtime_ns)`` of a file: the cheap check that it is still as it was."""
+def stamp(path: str | Path) -> tuple[int, int, int]:
+    """``(size, mtime_ns, ctime_ns)`` of a file: the cheap check that it is still as it was
+    (the inode change time catches an edit whose mtime was restored with ``touch -r``)."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def memo_sha256(path: str | Path) -> str:
     """:func:`file_sha256`, memoised in this process on the file's identity, size and
     modification time (a rename, e.g. a checkpoint moved into place, keeps the memo)."""
     st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     digest = _MEMO.get(key)
     if digest is None:
         digest = file_sha256(path)
@@ -134,7 +135,7 @@ def model_files(ckpt_dir: str | Path) -> list[Path]:
 
 
 def checkpoint_stamp(ckpt_dir: str | Path) -> dict[str, list[int]]:
-    """``{relative path: [size, mtime_ns]}`` of the model files (no file is read)."""
+    """``{relative path: [size, mtime_ns, ctime_ns]}`` of the model files (no file is read)."""
     return {rel: list(stamp(path)) for rel, path in _model_entries(ckpt_dir)}
 
 
@@ -192,11 +193,12 @@ def _weights_hash(files: list[Path]) -> str:
 
 
 def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:
-    """``(policy_id, {weight file: (size, mtime_ns)})`` from ``policy_id.txt``, or None.
+    """``(policy_id, {weight file: (size, mtime_ns, ctime_ns)})`` from ``policy_id.txt``, or
+    None.
 
-    Format: the policy id on the first line, then ``<size> <mtime_ns> <file name>`` for
-    each weight file it was computed from. A memo without stamps (older checkpoints) has
-    no stamps to match, so the weights are hashed again."""
+    Format: the policy id on the first line, then ``<size> <mtime_ns> <ctime_ns> <file name>``
+    for each weight file it was computed from. A memo without them (older checkpoints, whose
+    lines had no ctime) has no stamps to match, so the weights are hashed again."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
@@ -205,15 +207,15 @@ def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:
         return None
     stamps = {}
     for line in lines[1:]:
-        parts = line.split(" ", 2)
-        if len(parts) != 3 or not (parts[0].isdigit() and parts[1].isdigit()):
+        parts = line.split(" ", 3)
+        if len(parts) != 4 or not all(x.isdigit() for x in parts[:3]):
             return None
-        stamps[parts[2]] = (int(parts[0]), int(parts[1]))
+        stamps[parts[3]] = (int(parts[0]), int(parts[1]), int(parts[2]))
     return lines[0].strip(), stamps
 
 
-def _write_memo(path: Path, pid: str, stamps: dict[str, tuple[int, int]]) -> None:
-    lines = [pid, *(f"{size} {mtime} {name}" for name, (size, mtime) in sorted(stamps.items()))]
+def _write_memo(path: Path, pid: str, stamps: dict[str, tuple[int, int, int]]) -> None:
+    lines = [pid, *(f"{a} {b} {c} {name}" for name, (a, b, c) in sorted(stamps.items()))]
     with atomic_path(path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 

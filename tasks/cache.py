@@ -33,6 +33,8 @@ from grpo_core.io import atomic_path, write_json
 from tasks import storage
 
 _PACKAGES = ("grpo_core", "tasks")
+RUN_MARKER = ".grpo-run"  # in a run folder's root (tasks/workspace.py)
+_RUN_PATH = "$run_path"
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
 STATS = {"stamp_hits": 0, "hash_checks": 0}
 
@@ -82,14 +84,17 @@ def manifest_path(output: str | Path) -> Path:
 
 
 def output_stamp(path: str | Path) -> dict | None:
-    """What is checked without reading an output: ``{size, mtime_ns}`` of a file,
-    ``{files: {name: [size, mtime_ns]}}`` of a checkpoint's model files; None if missing."""
+    """What is checked without reading an output: ``{size, mtime_ns, ctime_ns}`` of a file,
+    ``{files: {name: [size, mtime_ns, ctime_ns]}}`` of a checkpoint's model files; None if
+    missing. The inode change time cannot be set back by a user (``touch -r`` restores the
+    mtime, not the ctime), so an edit followed by a restored mtime is hashed, not trusted; a
+    copy (``cp -a``) is hashed once, then trusted by its new stamp."""
     p = Path(path)
     if p.is_dir():
         return {"files": checkpoint_stamp(p)}
     if p.is_file():
         st = p.stat()
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
     return None
 
 
@@ -106,6 +111,46 @@ def fingerprint(path: str | Path) -> dict:
     if stamp is None:
         raise FileNotFoundError(f"{path}: the stage did not write this output")
     return {**stamp, "sha256": output_sha256(path)}
+
+
+def run_root(path: str | Path) -> str:
+    """The run folder a stage output belongs to: the nearest folder above ``path`` holding
+    the marker ``Workspace.create`` writes (``.grpo-run``), else ``path``'s own folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    here = folder
+    while True:
+        if os.path.exists(os.path.join(here, RUN_MARKER)):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return folder
+        here = parent
+
+
+def portable(value: Any, root: str) -> Any:
+    """``value`` (a recorded result) with every absolute path inside the run folder ``root``
+    as ``{"$run_path": <relative path>}``: a moved or copied run folder resolves them to its
+    own files (:func:`localised`). Paths outside it (a user's data file) stay as they are."""
+    if isinstance(value, dict):
+        return {k: portable(v, root) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v, root) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        norm = os.path.normpath(value)
+        if norm == root or norm.startswith(root + os.sep):
+            return {_RUN_PATH: os.path.relpath(norm, root)}
+    return value
+
+
+def localised(value: Any, root: str) -> Any:
+    """The inverse of :func:`portable`, against this run folder."""
+    if isinstance(value, dict):
+        if len(value) == 1 and isinstance(value.get(_RUN_PATH), str):
+            return os.path.normpath(os.path.join(root, value[_RUN_PATH]))
+        return {k: localised(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [localised(v, root) for v in value]
+    return value
 
 
 def _name(path: str | Path, manifest: Path) -> str:
@@ -167,7 +212,7 @@ def _check(
             write_json({**record_, "outputs": checked}, m)
     if not pulled:  # a record just downloaded is in the store
         _ensure_published(m, key, [output, *(outputs or [])])
-    return record_["result"], None
+    return localised(record_["result"], run_root(m)), None
 
 
 def _read_record(text: str | None, key: str) -> dict | None:
@@ -221,7 +266,7 @@ def record(
         {
             "key": key,
             "code_version": code_version(),
-            "result": result,
+            "result": portable(result, run_root(m)),
             "outputs": {_name(p, m): fingerprint(p) for p in paths},
         },
         m,

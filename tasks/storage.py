@@ -213,14 +213,12 @@ class RunStore:
 
 
 def _stamp(p: Path) -> tuple:
-    """Size and modification time of a file, or of each file of a directory."""
+    """Size, modification and inode change time of a file, or of each file of a directory."""
     if p.is_file():
         st = p.stat()
-        return (st.st_size, st.st_mtime_ns)
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     return tuple(
-        (f.relative_to(p).as_posix(), f.stat().st_size, f.stat().st_mtime_ns)
-        for f in sorted(p.rglob("*"))
-        if f.is_file()
+        (f.relative_to(p).as_posix(), *_stamp(f)) for f in sorted(p.rglob("*")) if f.is_file()
     )
 
 

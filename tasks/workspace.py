@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROLLOUTS = "rollouts.parquet"
+RUN_MARKER = ".grpo-run"  # = tasks.cache.RUN_MARKER
 SCORED = "scored.parquet"
 
 
@@ -29,6 +30,7 @@ class Workspace:
     def create(cls, output_dir: str | Path, run_name: str) -> Workspace:
         root = Path(output_dir).resolve() / run_name
         root.mkdir(parents=True, exist_ok=True)
+        (root / RUN_MARKER).touch()  # cache records hold paths relative to this folder
         return cls(root)
 
     def data(self, split: str) -> Path:

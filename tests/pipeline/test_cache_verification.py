@@ -236,10 +236,11 @@ def test_policy_id_memo_is_trusted_only_while_the_weights_keep_their_stamp(
     tiny_checkpoint, tmp_path
 ):
     ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_checkpoint, ckpt)  # copy2: same mtimes, so the memo still holds
+    shutil.copytree(tiny_checkpoint, ckpt)  # copy2: same mtimes, new inode change times
     pid = policy_id(tiny_checkpoint)
     hashed = checkpoint.STATS["files_hashed"]
-    assert policy_id(ckpt) == pid and checkpoint.STATS["files_hashed"] == hashed
+    assert policy_id(ckpt) == pid and checkpoint.STATS["files_hashed"] == hashed + 1
+    assert policy_id(ckpt) == pid and checkpoint.STATS["files_hashed"] == hashed + 1  # memo
 
     (ckpt / POLICY_ID).write_text("0123456789abcdef\n")  # an id without stamps: not trusted
     assert policy_id(ckpt) == pid
@@ -253,7 +254,10 @@ def test_policy_id_memo_is_trusted_only_while_the_weights_keep_their_stamp(
     st = weights.stat()
     assert policy_id(ckpt) != pid
     memo = (ckpt / POLICY_ID).read_text().splitlines()
-    assert memo == [policy_id(ckpt), f"{st.st_size} {st.st_mtime_ns} {WEIGHTS}"]
+    assert memo == [
+        policy_id(ckpt),
+        f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {WEIGHTS}",
+    ]
 
     (ckpt / POLICY_ID).unlink()  # no memo (a model from elsewhere): hashed, none written
     assert policy_id(ckpt) == memo[0] and not (ckpt / POLICY_ID).exists()
