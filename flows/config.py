@@ -262,6 +262,19 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return out
 
 
+def _override_of(e: ValidationError, message: str, overrides: list[str]) -> str | None:
+    """``--set key=value`` when the first invalid field is one an override set, so the
+    message does not blame the YAML file for a value typed on the command line."""
+    errors = e.errors()
+    loc = ".".join(str(x) for x in errors[0].get("loc", ())) if errors else ""
+    loc = loc or message.split(":", 1)[0].strip()  # a section's own validator: no loc
+    for ov in reversed(overrides):  # the last override of a key is the one that counts
+        key = ov.split("=", 1)[0].strip()
+        if key == loc or loc.startswith(key + ".") or key.startswith(loc + "."):
+            return f"--set {ov}"
+    return None
+
+
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> PipelineConfig:
@@ -285,6 +298,8 @@ def load_config(
     try:
         cfg = PipelineConfig(**raw)
     except ValidationError as e:
-        raise UserError(f"{path}: {validation_message(e, PipelineConfig)}") from None
+        message = validation_message(e, PipelineConfig)
+        where = _override_of(e, message, overrides or []) or str(path)
+        raise UserError(f"{where}: {message}") from None
     cfg.tracking._source = source
     return cfg

@@ -108,11 +108,19 @@ class VLLMConfig(Section):
     cpu_threads: int | None = Field(None, ge=1, description="CPU only (default: torch's threads)")
 
 
+# padded tokens per generation micro-batch (hf engine): the demo's largest batch (rejection
+# sampling: 512 rows x ~63 tokens) fits in one
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
+
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = "hf"
     batch_size: int = Field(512, ge=1, description="sequences per generation micro-batch")
     max_batch_tokens: int | None = Field(
-        None, ge=1, description="hf: cap on padded tokens per micro-batch"
+        DEFAULT_MAX_BATCH_TOKENS,
+        ge=1,
+        description="hf: cap on padded tokens (rows x (longest prompt + max_completion_length)) "
+        "per micro-batch, so generation memory follows tokens, not rows; None: rows only",
     )
     check_sync: bool = Field(False, description="greedy probe after each weight sync")
     vllm: VLLMConfig = VLLMConfig()

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from math import comb
 
 from grpo_core import rewards
+from grpo_core.context import check_prompt_lengths, model_context
 from grpo_core.generation import SamplingParams, generate
 from grpo_core.text import decode_completion, encode_prompt, prompt_text
 
@@ -143,6 +144,10 @@ def evaluate(
         temperature = 0.0 if num_samples == 1 else 1.0
     k = num_samples
     prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    check_prompt_lengths(
+        prompt_ids, context=model_context(model.config), max_new_tokens=max_new_tokens,
+        field="eval.max_completion_length", source=desc,
+    )  # fmt: skip
     params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
     if engine is not None:
         samples = engine.generate(prompt_ids, params, desc=desc)

@@ -23,6 +23,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from grpo_core.config import DEFAULT_MAX_BATCH_TOKENS
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -234,7 +236,7 @@ def generate(
     pad_token_id: int,
     eos_token_ids: int | list[int],
     batch_size: int = 512,
-    max_batch_tokens: int | None = None,
+    max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
     tokenizer=None,
     desc: str = "generate",
     progress: bool = True,

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
 from grpo_core.config import RLConfig
+from grpo_core.context import check_prompt_lengths, model_context
 from grpo_core.data import load_rows
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
@@ -78,6 +79,11 @@ def sample_rollouts(
     w = warm.get(policy_checkpoint)
     tok = w.tokenizer
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in rows]
+    context = model_context(w.model.config)
+    check_prompt_lengths(
+        prompt_ids, context=context, max_new_tokens=max_completion_length,
+        field="max_completion_length", source=desc,
+    )  # fmt: skip
     params = SamplingParams(
         n=num_generations,
         temperature=temperature,

@@ -24,6 +24,8 @@ What is checked:
   as its tensors need, the tokenizer files are there
 - ``grpo update``: the scored file's token ids are inside the policy's vocabulary, and the
   tokenizer fingerprint recorded at rollout time matches the policy's
+- lengths: every ``max_completion_length`` is below the model's positions, and every prompt
+  of the data files fits with it (tokenised with the model's tokenizer; grpo_core/context.py)
 - the tracking store: an ``http(s)`` server answers ``GET /health`` within 5 s; a sqlite
   file is an SQLite database and it and its folder are writable
 - output folders (``output_dir``, the run folder, ``--out``) are writable and have space
@@ -38,6 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.preflight.checkpoints import check_checkpoint, check_safetensors
+from flows.preflight.context import check_context
 from flows.preflight.data import check_data, check_parquet, check_token_ids
 from flows.preflight.outputs import (
     check_outputs,
@@ -58,6 +61,7 @@ from grpo_core.errors import UserError
 
 __all__ = [
     "check_checkpoint",
+    "check_context",
     "check_data",
     "check_outputs",
     "check_parquet",
@@ -91,15 +95,19 @@ def check_run(cfg) -> None:
             f"({', '.join(cfg.rewards)}), so no completion could pass; add it to rewards or "
             "remove it from rejection_sampling.require"
         )
+    prompts: dict = {}
     if cfg.data.source == "files":
         cap, m = cfg.data.max_prompt_chars, cfg.data.mapping()
         check_data(cfg.data.sft_path, "data.sft_path", ("prompt", "completion"), cap, m)
         rl = check_data(cfg.data.rl_path, "data.rl_path", ("prompt",), cap, m)
         check_reward_columns(rl, cfg.data.rl_path, "data.rl_path", cfg.rewards, "rewards")
+        prompts = {"data.rl_path": (cfg.data.rl_path, rl)}
         if cfg.data.dev_path:
-            check_data(cfg.data.dev_path, "data.dev_path", ("prompt",), cap, m)
+            dev = check_data(cfg.data.dev_path, "data.dev_path", ("prompt",), cap, m)
+            prompts["data.dev_path"] = (cfg.data.dev_path, dev)
         ev = check_data(cfg.data.eval_path, "data.eval_path", ("prompt",), cap, m)
         check_reward_columns(ev, cfg.data.eval_path, "data.eval_path", *eval_rewards(cfg))
+        prompts["data.eval_path"] = (cfg.data.eval_path, ev)
     if cfg.model.source == "path":
         from grpo_core.checkpoint import resolve_model_path
 
@@ -108,6 +116,7 @@ def check_run(cfg) -> None:
         base = Path(cfg.output_dir) / cfg.run_name / "checkpoints" / "base"
         if (base / "config.json").exists():
             check_checkpoint(base, "the demo's base model", fix=f"delete {base} to rebuild it")
+    check_context(cfg, prompts)
     check_tracking(cfg.tracking.uri)
 
 

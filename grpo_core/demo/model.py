@@ -26,6 +26,9 @@ CHAT_TEMPLATE = (
 )
 
 
+DEMO_CONTEXT = 256  # the demo model's positions (prompt + completion)
+
+
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """Character-level WordLevel tokenizer; tags and role markers are single tokens."""
     vocab_list = [PAD, UNK, EOS, USER, ASSISTANT, *TAGS, *CHARS]
@@ -49,7 +52,7 @@ def build_model(
     num_hidden_layers: int = 4,
     num_attention_heads: int = 4,
     intermediate_size: int = 512,
-    max_position_embeddings: int = 256,
+    max_position_embeddings: int = DEMO_CONTEXT,
     seed: int = 0,
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2 causal LM sized for CPU training (~1M parameters)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_core.config import DEFAULT_MAX_BATCH_TOKENS
 from grpo_core.generation import Sample, SamplingParams, generate
 
 
@@ -23,7 +24,7 @@ class HFEngine:
         tokenizer,
         *,
         batch_size: int = 512,
-        max_batch_tokens: int | None = None,
+        max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer

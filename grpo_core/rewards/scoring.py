@@ -75,7 +75,8 @@ def _row_columns(columns: Mapping[str, Sequence[Any]], i: int) -> dict[str, list
 
 
 def _check_value(name: str, value: Any) -> tuple[float | None, str | None]:
-    """Validate one returned score: a finite real number, ``None`` or NaN (= not applicable)."""
+    """Validate one returned score: a finite real number or ``None`` (= not applicable). NaN
+    is scored as not applicable, as TRL's ``nansum`` does, and reported as an error."""
     if value is None:
         return None, None
     if isinstance(value, bool):
@@ -89,8 +90,11 @@ def _check_value(name: str, value: Any) -> tuple[float | None, str | None]:
             None,
             f"TypeError: reward function {name!r} returned {type(value).__name__}, not a number",
         )
-    if math.isnan(number):
-        return None, None
+    if math.isnan(number):  # scored as not applicable (TRL's nansum), recorded as an error:
+        return None, (  # a NaN on every row stops the stage like any failing reward
+            f"ValueError: reward function {name!r} returned NaN (return None for a row it does "
+            "not apply to)"
+        )
     if math.isinf(number):
         return None, f"ValueError: reward function {name!r} returned {number}"
     return number, None

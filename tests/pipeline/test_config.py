@@ -13,6 +13,7 @@ from flows.config import (
 )
 from flows.env import apply_defaults
 from grpo_core.config import RLConfig
+from grpo_core.errors import UserError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
 
@@ -51,6 +52,19 @@ def test_bad_override_value_names_the_field():
         load_config(None, ["rl.loss_type=ppo"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         load_config(None, ["rl.learning_rate"])
+
+
+def test_a_bad_set_value_is_blamed_on_the_set_not_the_file(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(None, ["rl.learning_rate=abc"])
+    assert str(e.value).startswith("--set rl.learning_rate=abc: rl.learning_rate:")
+    with pytest.raises(UserError) as e:
+        load_config(None, ["rl_2={iterations: -1}"])
+    assert str(e.value).startswith("--set rl_2={iterations: -1}: rl_2.iterations")
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("rl:\n  learning_rate: abc\n")
+    with pytest.raises(UserError, match=r"mine\.yaml: rl\.learning_rate"):  # from the file
+        load_config(mine, ["rl.iterations=3"])
 
 
 def test_rl_2_overrides_are_validated():

@@ -57,6 +57,18 @@ def test_a_reward_failing_on_every_row_stops_scoring_with_its_first_error(rollou
     assert not out.exists()
 
 
+def test_a_reward_returning_nan_everywhere_stops_like_a_failing_one(rollouts, tmp_path):
+    from tasks.score import score_file
+
+    out = tmp_path / "scored.parquet"
+    spec = _spec(
+        tmp_path, "def fn(prompts, completions, **kw):\n    return [float('nan')] * len(prompts)\n"
+    )
+    with pytest.raises(UserError, match=r"failed on all 8 rows .*returned NaN"):
+        score_file(rollouts, str(out), {spec: 1.0, "format": 0.1}, label="rl_1 iteration 0")
+    assert not out.exists()
+
+
 def test_the_error_rate_limit_is_configurable(rollouts, tmp_path):
     from grpo_core.config import RLConfig
     from tasks.score import score

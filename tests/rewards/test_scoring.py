@@ -76,7 +76,8 @@ def test_wrong_length_and_non_numbers_are_errors():
     assert all("'short' returned 1 values for 4 completions" in e for e in res.errors["short"])
     assert res.per_function["stringy"] == [None, 2.0, None, None]
     assert "returned str" in res.errors["stringy"][0]
-    assert res.errors["stringy"][2] is None  # NaN means "not applicable", as in TRL
+    # NaN: not applicable in the total (TRL's nansum), but reported: on every row it stops
+    assert "returned NaN" in res.errors["stringy"][2]
     assert "inf" in res.errors["stringy"][3]
     assert res.total == [None, 2.0, None, None]
 

@@ -1,0 +1,70 @@
+"""Pre-flight check of lengths against the model's context (grpo_core/context.py): every
+``max_completion_length`` leaves room for a prompt, and, for data files, every prompt's tokens
+plus the completion fit. The model's positions come from its config.json (``model.path``) or
+the demo model's settings; prompts are tokenised with its tokenizer (no weights are loaded)."""
+
+from __future__ import annotations
+
+import json
+
+from grpo_core.context import check_completion_length, check_prompt_lengths, model_context
+from grpo_core.errors import UserError
+
+
+def _model(cfg):
+    """``(context, tokenizer loader)`` of the run's model."""
+    if cfg.model.source == "path":
+        from grpo_core.checkpoint import resolve_model_path
+
+        path = resolve_model_path(cfg.model.path)
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None, None  # check_checkpoint reports it
+
+        def tokenizer():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+        return model_context(config), tokenizer
+    from grpo_core.demo.model import DEMO_CONTEXT, build_tokenizer
+
+    return DEMO_CONTEXT, build_tokenizer
+
+
+def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) -> None:
+    """``data``: ``{field: (path, rows)}`` of the prompt files already loaded."""
+    context, tokenizer = _model(cfg)
+    if context is None:
+        return
+    rl2 = cfg.rl_2_config()
+    lengths = {
+        "rl.max_completion_length": cfg.rl.max_completion_length,
+        "rl_2.max_completion_length": rl2.max_completion_length,
+        "rejection_sampling.max_completion_length": cfg.rejection_sampling.max_completion_length,
+        "eval.max_completion_length": cfg.eval.max_completion_length,
+    }
+    for field, n in lengths.items():
+        check_completion_length(n, context, field)
+    if not data:
+        return
+    from grpo_core.text import encode_prompt
+
+    tok = tokenizer()
+    longest = max(lengths["rl.max_completion_length"], lengths["rl_2.max_completion_length"])
+    budget = {
+        "data.rl_path": ("rl.max_completion_length", longest),
+        "data.eval_path": ("eval.max_completion_length", lengths["eval.max_completion_length"]),
+        "data.dev_path": ("eval.max_completion_length", lengths["eval.max_completion_length"]),
+    }
+    for field, (path, rows) in data.items():
+        setting, n = budget[field]
+        try:
+            ids = [encode_prompt(tok, r["prompt"]) for r in rows]
+        except Exception as e:  # a chat template that refuses the messages, ...
+            raise UserError(f"{field} {path}: the tokenizer cannot encode a prompt: {e}") from None
+        check_prompt_lengths(
+            ids, context=context, max_new_tokens=n, field=setting, source=f"{field} {path}",
+            unit="row",
+        )  # fmt: skip
