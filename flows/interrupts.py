@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -45,9 +46,41 @@ def _on_sigterm(signum: int, frame) -> None:
 
 
 def install() -> None:
-    """SIGTERM raises :class:`Interrupted` (Ctrl-C keeps raising ``KeyboardInterrupt``).
-    Call from the main thread before the flow starts."""
+    """SIGTERM raises :class:`Interrupted` (Ctrl-C keeps raising ``KeyboardInterrupt``), and
+    a stop that Python swallowed is sent again (:func:`_on_unraisable`). Call from the main
+    thread before the flow starts."""
     signal.signal(signal.SIGTERM, _on_sigterm)
+    if sys.unraisablehook is not _on_unraisable:
+        global _previous_unraisable
+        _previous_unraisable = sys.unraisablehook
+        sys.unraisablehook = _on_unraisable
+
+
+_previous_unraisable = sys.unraisablehook
+RESEND_DELAY_S = 0.05
+
+
+def _on_unraisable(unraisable) -> None:
+    """A signal's exception (``KeyboardInterrupt``, :class:`Interrupted`, Prefect's
+    ``TerminationSignal``) raised while Python ran a ``__del__``, a weakref callback or a GC
+    pass is printed as "Exception ignored" and dropped: the run would go on as if never
+    stopped (seen under load: a SIGTERM landing in asyncio's ``_SelectorTransport.__del__``).
+    Send the same signal again, from a thread a moment later, so the handler raises it in
+    ordinary code; again if that one is swallowed too. Other exceptions go to the previous
+    hook."""
+    exc = unraisable.exc_value
+    signum = signal_of(exc) if isinstance(exc, BaseException) else None
+    if signum is None:
+        _previous_unraisable(unraisable)
+        return
+    logging.getLogger(__name__).warning(
+        "%s arrived where Python ignores exceptions (%s): sending it again",
+        signal.Signals(signum).name,
+        getattr(unraisable.object, "__qualname__", None) or type(unraisable.object).__name__,
+    )
+    timer = threading.Timer(RESEND_DELAY_S, os.kill, (os.getpid(), signum))
+    timer.daemon = True
+    timer.start()
 
 
 def signal_of(exc: BaseException) -> int | None:
