@@ -202,8 +202,13 @@ class RLConfig(TrainingKnobs):
         True,
         description="skip the forward and backward of completions whose loss is zero whatever "
         "the weights (advantage 0 with beta 0 and top_entropy_quantile 1, or no token that "
-        "counts); the loss normaliser still counts them, so the update is the same; the "
-        "entropy metric is then measured on the completions that carry gradient",
+        "counts); the loss normaliser still counts them, so the update is the same",
+    )
+    entropy_of_skipped_rows: bool = Field(
+        True,
+        description="with skip_zero_advantage: a no-grad forward of the skipped completions so "
+        "that the entropy metric is the whole batch's, as TRL's (about +40% update time when "
+        "60% of the rows are skipped); false: the metric is logged as entropy/trained_rows",
     )
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -243,6 +248,28 @@ class RLConfig(TrainingKnobs):
                 "upper bound); without it the cap would be rl.epsilon (default 0.2): REINFORCE "
                 "scaled down to 0.2. TRL's GRPOConfig recommends epsilon_high=5.0 for cispo "
                 "(ScaleRL's epsilon_max, arXiv:2510.13786)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ignored_loss_knobs(self) -> RLConfig:
+        if self.objective == "cispo":
+            given = [n for n in ("delta", "clip_ratio_c") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(
+                    f"rl.{' and rl.'.join(given)} with rl.objective='cispo': "
+                    f"{'they are' if len(given) > 1 else 'it is'} a bound of the clipped "
+                    "objective, which cispo replaces (its only bound is rl.epsilon_high); "
+                    "remove it or use objective 'clip'"
+                )
+        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
+            warnings.warn(
+                f"rl.importance_sampling_level='sequence' (GSPO) with loss_type="
+                f"{self.loss_type!r}: GSPO's objective averages the sequence terms per "
+                "sequence (loss_type 'grpo'); a token-sum loss weights each sequence's ratio by "
+                "its length. TRL warns the same; set rl.loss_type=grpo to follow the paper",
+                UserWarning,
+                stacklevel=2,
             )
         return self
 
@@ -314,6 +341,7 @@ class RLConfig(TrainingKnobs):
             bf16=self.bf16,
             fp16=self.fp16,
             skip_zero_advantage=self.skip_zero_advantage,
+            entropy_of_skipped_rows=self.entropy_of_skipped_rows,
         )
 
     @model_validator(mode="after")

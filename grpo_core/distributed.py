@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_core.batch import UpdateBatch
-from grpo_core.step_metrics import SKIPPED_METRICS, SUMMED_METRICS, combine
+from grpo_core.step_metrics import SUMMED_METRICS, combine, of_micro_batch
 
 BUCKET_ELEMENTS = 25_000_000  # gradient elements per all-reduce (DDP's 25 MB-ish buckets)
 
@@ -171,11 +171,7 @@ class DataParallel:
         for j in range(len(window)):
             # (metrics, tokens) of the ranks with rows; a rank that skipped all of them adds
             # no loss and no clipped token (grpo_core.step_metrics)
-            parts = [
-                (SKIPPED_METRICS if m.get("skipped") else m, t)
-                for m, t in (r[j] for r in ranks)
-                if m
-            ]
+            parts = [(of_micro_batch(m), t) for m, t in (r[j] for r in ranks) if m]
             out = {}
             for key in dict.fromkeys(k for m, _ in parts for k in m):
                 values = [(m[key], t) for m, t in parts if key in m]

@@ -66,6 +66,9 @@ class UpdateConfig:
     # quantile, or no completion token that counts) skip the forward and backward; the
     # normaliser still counts them, so the gradient is the same (grpo_core.update)
     skip_zero_advantage: bool = True
+    # with a skip: the skipped rows' entropy through a no-grad forward, so that ``entropy`` is
+    # the whole batch's (TRL's); False: ``entropy/trained_rows`` over the rows that ran only
+    entropy_of_skipped_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.old_logprobs not in ("recompute", "sampler"):

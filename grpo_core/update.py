@@ -19,7 +19,8 @@ per-token loss of exactly 0 whatever the weights, so ``skip_zero_advantage`` (de
 it out of the forward and backward passes (and of the old log-prob pass) while the normaliser
 still counts it: the gradient is the one of the full batch. An optimizer step whose rows were
 all skipped still steps, on zero gradients, as the full batch would. Metrics: the clip ratios
-are rescaled to the whole micro-batch's tokens; ``entropy`` is measured on the rows that ran.
+are rescaled to the whole micro-batch's tokens (rows, for GSPO's sequence ratios); ``entropy``
+covers every row, the skipped ones through a no-grad forward (a third of a training pass).
 Departures from the paper: advantages come precomputed from the scored Parquet (so an
 offline update can use any scored file); dropout is off by default (``disable_dropout``, TRL's
 option, off by default there), so that pi_old and pi_theta are the same function at step 0.
@@ -27,6 +28,7 @@ option, off by default there), so that pi_old and pi_theta are the same function
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -164,6 +166,8 @@ def grpo_update(
     micro, accumulation = _accumulation_plan(cfg, n_groups)
     slices = batch.step_slices(micro)
     dp = data_parallel
+    if dp is not None and cfg.entropy_of_skipped_rows:  # not in the ranks' forward plan:
+        cfg = dataclasses.replace(cfg, entropy_of_skipped_rows=False)  # entropy/trained_rows
     if dp is None:
         batch_tokens = batch.completion_mask.sum()  # dapo: the generation batch's tokens
         norms = [
@@ -295,6 +299,7 @@ def _micro_batch(
     is_weights: Tensor | None,
     norm: Tensor | int,
     skip_rows: bool = False,
+    _entropy_of_skipped: bool = True,
 ) -> dict:
     """Forward and backward of one logical micro-batch, in physical chunks of at most
     ``cfg.max_tokens_per_microbatch`` padded tokens. Every chunk's loss is divided by the
@@ -302,13 +307,30 @@ def _micro_batch(
     metrics are those of the whole micro-batch (recomputed from the chunks' detached
     log-probs when it was split). ``skip_rows``: rows with a zero loss are left out
     (module docstring); ``{"skipped": True}`` when that is all of them."""
+    if skip_rows and not cfg.entropy_of_skipped_rows:  # the metric named for what it is
+        metrics = _micro_batch(
+            model, mb, dataclasses.replace(cfg, entropy_of_skipped_rows=True), precision,
+            old_logp=old_logp, ref_logp=ref_logp, is_weights=is_weights, norm=norm,
+            skip_rows=True, _entropy_of_skipped=False,
+        )  # fmt: skip
+        if "entropy" in metrics:
+            metrics["entropy/trained_rows"] = metrics.pop("entropy")
+        return metrics
     if skip_rows:
         live = live_rows(mb)  # [n]
         if not bool(live.all()):
             idx = live.nonzero().squeeze(-1)  # [m]
             if len(idx) == 0:
-                return {"skipped": True}
-            share = float(mb.completion_mask[idx].sum() / mb.completion_mask.sum())
+                if not _entropy_of_skipped:
+                    return {"skipped": True}
+                ent_sum, ent_tokens = _entropy_sum(model, mb, cfg, precision)
+                return {"skipped": True, "entropy": ent_sum / max(ent_tokens, 1)}
+            live_tokens = mb.completion_mask[idx].sum()
+            # a clip ratio's mean is over tokens, or over rows for GSPO's sequence ratios
+            sequence = cfg.loss.importance_sampling_level == "sequence"
+            share = (
+                len(idx) / len(live) if sequence else float(live_tokens / mb.completion_mask.sum())
+            )
             on = idx.to(old_logp.device) if old_logp is not None else idx
             metrics = _micro_batch(
                 model,
@@ -321,7 +343,15 @@ def _micro_batch(
                 norm=norm,
             )
             for key in [k for k in metrics if k.startswith("clip_ratio/")]:
-                metrics[key] *= share  # skipped rows are never clipped: a mean over all tokens
+                metrics[key] *= share  # skipped rows are never clipped: a mean over all rows
+            if not _entropy_of_skipped:
+                return metrics
+            skipped = mb.slice((~live).nonzero().squeeze(-1))
+            ent_sum, ent_tokens = _entropy_sum(model, skipped, cfg, precision)
+            tokens = float(live_tokens) + ent_tokens
+            metrics["entropy"] = (metrics["entropy"] * float(live_tokens) + ent_sum) / max(
+                tokens, 1
+            )
             return metrics
     device = model.device
     mask = mb.completion_mask.to(device)  # [n, T]
@@ -374,6 +404,21 @@ def _micro_batch(
     metrics["loss"] = float(loss.detach())
     metrics["entropy"] = float((entropy * mask).sum() / mask.sum().clamp(min=1))
     return metrics
+
+
+def _entropy_sum(model, mb: UpdateBatch, cfg: UpdateConfig, precision: Precision):
+    """``(sum of token entropies, tokens)`` of ``mb``'s completions, without grad: the rows a
+    skip leaves out of the backward still count in the ``entropy`` metric (TRL's is over the
+    whole batch, and a collapse shows first in the groups without reward variance)."""
+    total, tokens = 0.0, 0.0
+    mask = mb.completion_mask
+    with torch.no_grad():
+        for p in mb.token_chunks(cfg.max_tokens_per_microbatch):
+            entropy = _forward(model, mb, p, cfg, precision)[1]  # [c, T]
+            m = mask[p].to(entropy.device)
+            total += float((entropy * m).sum())
+            tokens += float(m.sum())
+    return total, tokens
 
 
 def _rows(x: Tensor | None, idx: Tensor, device) -> Tensor | None:

@@ -100,7 +100,9 @@ def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    cfg = UpdateConfig(loss=LossConfig(**case["loss"]), **case["update"])
+    # data parallel measures the entropy of the rows that ran only (grpo_core/update.py)
+    update = {"entropy_of_skipped_rows": False, **case["update"]}
+    cfg = UpdateConfig(loss=LossConfig(**case["loss"]), **update)
     history = grpo_update(
         model,
         opt,

@@ -16,7 +16,8 @@ from grpo_core.loss_config import UpdateConfig
 from grpo_core.update import grpo_update
 
 WORLD = 2
-METRICS = ("loss", "policy_loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
+METRICS = ("loss", "policy_loss", "kl", "entropy", "entropy/trained_rows", "clip_ratio/region_mean")
+METRICS += ("grad_norm",)
 ENGINE_METRICS = (
     "sampling/sampling_logp_difference/mean",
     "sampling/sampling_logp_difference/max",

@@ -15,7 +15,8 @@ from grpo_core.checkpoint import load_checkpoint
 from grpo_core.fsdp import decoder_layers
 
 WORLD = 2
-METRICS = ("loss", "policy_loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
+METRICS = ("loss", "policy_loss", "kl", "entropy", "entropy/trained_rows", "clip_ratio/region_mean")
+METRICS += ("grad_norm",)
 
 
 @pytest.fixture(scope="module")

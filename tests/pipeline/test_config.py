@@ -186,3 +186,13 @@ def test_smollm2_preset_runs_the_recipe_on_generated_word_problems():
     assert cfg.model.source == "path" and cfg.model.path == "models/smollm2-135m-instruct"
     assert cfg.data.source == "word_problems" and cfg.data.system_prompt
     assert cfg.rl.max_completion_length <= 64 and cfg.rollout.engine == "hf"
+
+
+def test_ignored_loss_knobs_are_refused_or_warned():
+    with pytest.raises(ValueError, match="rl.delta and rl.clip_ratio_c with rl.objective='cispo'"):
+        RLConfig(objective="cispo", epsilon_high=5.0, delta=2.0, clip_ratio_c=3.0)
+    with pytest.warns(UserWarning, match="GSPO.*loss_type='dapo'"):
+        RLConfig(importance_sampling_level="sequence", loss_type="dapo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RLConfig(importance_sampling_level="sequence", loss_type="grpo")

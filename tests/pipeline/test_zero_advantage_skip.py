@@ -83,7 +83,8 @@ def _assert_same_update(off, on):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=2e-6)
     torch.testing.assert_close(w_on, w_off, rtol=0, atol=LR * 1e-3)
     for step_off, step_on in zip(h_off, h_on, strict=True):
-        for key in ("loss", "policy_loss", "clip_ratio/low_mean", "clip_ratio/high_mean"):
+        keys = ("loss", "policy_loss", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy")
+        for key in (*keys, "clip_ratio/region_mean"):
             assert step_on[key] == pytest.approx(step_off[key], rel=1e-4, abs=1e-6), key
 
 
@@ -100,8 +101,20 @@ def test_skipping_gives_the_full_batch_update(tiny_model, loss_type):
     off = _run(model, _config(False, loss_type))
     on = _run(model, _config(True, loss_type))
     _assert_same_update(off, on)
-    # 10 of the 16 rows skipped in each of the 3 passes: old log-probs and 2 loss passes
-    assert off[3] - on[3] == 30
+    # 10 of the 16 rows skip the old log-prob pass; in the 2 loss passes they still have a
+    # no-grad forward, for the whole batch's entropy
+    assert off[3] - on[3] == 10
+
+
+def test_gspo_clip_ratios_and_entropy_are_the_full_batch_ones(tiny_model):
+    """GSPO's ratios are per sequence: the clip ratios of a skip are rescaled by the share of
+    rows, not of tokens (0.5217 against 0.5 before)."""
+    model, _ = tiny_model
+    loss = {"importance_sampling_level": "sequence", "epsilon": 1e-3}  # clips often
+    off = _run(model, _config(False, "grpo", loss=loss))
+    on = _run(model, _config(True, "grpo", loss=loss))
+    _assert_same_update(off, on)
+    assert any(step["clip_ratio/region_mean"] > 0 for step in on[2])
 
 
 def test_a_step_whose_rows_are_all_skipped_still_steps_the_optimizer(tiny_model):
@@ -136,7 +149,7 @@ def test_kl_or_an_entropy_quantile_turns_skipping_off(tiny_model):
 
 def test_the_update_task_reports_a_last_step_whose_rows_were_all_skipped(tiny_checkpoint, tmp_path):
     """The second (last) optimizer step has only a group without reward variance: it steps
-    on zero gradients, has loss 0 and no entropy (not measured), and the task logs it."""
+    on zero gradients, has loss 0 and the entropy of its rows, and the task logs it."""
     from test_score_filters import _rollouts, _weights
 
     from grpo_core.config import RLConfig
@@ -149,6 +162,6 @@ def test_the_update_task_reports_a_last_step_whose_rows_were_all_skipped(tiny_ch
     rl = RLConfig(prompts_per_iteration=2, num_generations=2, steps_per_generation=2)
     up = update.fn("rl_1", 0, str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
     assert len(up.history) == 2
-    assert "entropy" in up.history[0] and "entropy" not in up.history[1]
+    assert "entropy" in up.history[0] and up.history[1]["entropy"] > 0
     assert up.history[1]["loss"] == 0.0 and up.history[1]["clip_ratio/region_mean"] == 0.0
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
