@@ -9,6 +9,8 @@ from pydantic import Field, field_validator, model_validator
 
 from grpo_core.section import Section
 
+DEMO_CONTEXT = 256  # the demo model's positions (prompt + completion): grpo_core/demo/model.py
+
 
 class DemoModelConfig(Section):
     hidden_size: int = 128

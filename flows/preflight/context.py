@@ -28,9 +28,14 @@ def _model(cfg):
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
         return model_context(config), tokenizer
-    from grpo_core.demo.model import DEMO_CONTEXT, build_tokenizer
+    from grpo_core.model_config import DEMO_CONTEXT
 
-    return DEMO_CONTEXT, build_tokenizer
+    def demo_tokenizer():  # imports transformers: only when there are data files to check
+        from grpo_core.demo.model import build_tokenizer
+
+        return build_tokenizer()
+
+    return DEMO_CONTEXT, demo_tokenizer
 
 
 def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) -> None:

@@ -12,6 +12,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from grpo_core.model_config import DEMO_CONTEXT
+
 PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|eos|>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
@@ -24,9 +26,6 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
-
-
-DEMO_CONTEXT = 256  # the demo model's positions (prompt + completion)
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
