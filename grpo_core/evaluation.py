@@ -118,6 +118,13 @@ def passthrough_columns(rows: list[dict]) -> dict[str, list]:
     return {k: [r.get(k) for r in rows] for k in keys}
 
 
+def _context(model, engine) -> int | None:
+    """The positions of the model that generates (``model``, else the engine's own)."""
+    holder = model if model is not None else getattr(engine, "model", None)
+    config = getattr(holder, "config", None)
+    return model_context(config) if config is not None else None
+
+
 def evaluate(
     model,
     tokenizer,
@@ -145,7 +152,7 @@ def evaluate(
     k = num_samples
     prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
-        prompt_ids, context=model_context(model.config), max_new_tokens=max_new_tokens,
+        prompt_ids, context=_context(model, engine), max_new_tokens=max_new_tokens,
         field="eval.max_completion_length", source=desc,
     )  # fmt: skip
     params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
