@@ -5,6 +5,47 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+FAILED = "failed"  # below ``min_reward`` or a required reward short of its value
+DUPLICATE = "duplicate"  # passed, but the prompt already has a passing completion with this text
+OVER_CAP = "over_cap"  # passed and distinct, but the prompt already has ``max_per_prompt`` kept
+KEPT = "kept"  # written to the SFT data
+
+
+def classify_completions(
+    rows: list[dict],
+    *,
+    min_reward: float,
+    max_per_prompt: int,
+    require: dict[str, float] | None = None,
+) -> list[str]:
+    """What :func:`select_completions` does with each row, in order: :data:`FAILED`,
+    :data:`DUPLICATE`, :data:`OVER_CAP` or :data:`KEPT`. Every row that is not ``FAILED``
+    passed (met the requirements); a duplicate of a completion that was over the cap is
+    still a duplicate."""
+    require = require or {}
+    out: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    per_prompt: dict[str, int] = defaultdict(int)
+    for r in rows:
+        if (
+            r.get("reward") is None
+            or r["reward"] < min_reward
+            or any((r.get(f"reward_{k}") or 0.0) < v for k, v in require.items())
+        ):
+            out.append(FAILED)
+            continue
+        key = (r["prompt_id"], r["completion"].strip())
+        if key in seen:
+            out.append(DUPLICATE)
+            continue
+        seen.add(key)
+        if per_prompt[r["prompt_id"]] >= max_per_prompt:
+            out.append(OVER_CAP)
+            continue
+        per_prompt[r["prompt_id"]] += 1
+        out.append(KEPT)
+    return out
+
 
 def select_completions(
     rows: list[dict],
@@ -16,26 +57,15 @@ def select_completions(
     """Filter scored rollout rows into SFT rows.
 
     rows: dicts with ``prompt_id``, ``prompt``, ``completion``, ``reward`` and any
-    ``reward_<fn>`` columns. A row is kept when ``reward >= min_reward`` and every
-    ``reward_<fn>`` named in ``require`` is at least its value; exact duplicate
-    completions of a prompt are dropped; at most ``max_per_prompt`` per prompt.
+    ``reward_<fn>`` columns. A row passes when ``reward >= min_reward`` and every
+    ``reward_<fn>`` named in ``require`` is at least its value; of the passing rows, exact
+    duplicate completions of a prompt are dropped; at most ``max_per_prompt`` per prompt
+    are kept (:func:`classify_completions` says which reason dropped each row).
     """
-    require = require or {}
-    kept: list[dict] = []
-    seen: set[tuple[str, str]] = set()
-    per_prompt: dict[str, int] = defaultdict(int)
-    for r in rows:
-        if r.get("reward") is None or r["reward"] < min_reward:
-            continue
-        if any((r.get(f"reward_{k}") or 0.0) < v for k, v in require.items()):
-            continue
-        key = (r["prompt_id"], r["completion"].strip())
-        if key in seen or per_prompt[r["prompt_id"]] >= max_per_prompt:
-            continue
-        seen.add(key)
-        per_prompt[r["prompt_id"]] += 1
-        kept.append(r)
-    return kept
+    status = classify_completions(
+        rows, min_reward=min_reward, max_per_prompt=max_per_prompt, require=require
+    )
+    return [r for r, s in zip(rows, status, strict=True) if s == KEPT]
 
 
 def to_sft_rows(kept: list[dict]) -> list[dict]:

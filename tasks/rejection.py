@@ -1,5 +1,7 @@
 """Rejection-sampling task: sample from the RL policy, score, keep correct and well-formed
-completions, dedupe, write an SFT dataset (JSONL) for re-SFT."""
+completions, dedupe, write an SFT dataset (JSONL) for re-SFT. Its report counts the
+completions that passed, the duplicates and the per-prompt cap apart from the ones kept
+(:func:`rejection_line`, the ``rejection-sampling`` artifacts)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,14 @@ from grpo_core.config import RejectionConfig
 from grpo_core.data import load_rows
 from grpo_core.errors import UserError
 from grpo_core.io import write_jsonl
-from grpo_core.rejection import select_completions, to_sft_rows
+from grpo_core.rejection import (
+    DUPLICATE,
+    FAILED,
+    KEPT,
+    OVER_CAP,
+    classify_completions,
+    to_sft_rows,
+)
 from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
 from tasks.common import logger
@@ -61,72 +70,154 @@ def rejection_sampling(
             checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
         ),
     )
+    per_prompt = acceptance_by_prompt(files, cfg)
+    # a result recorded before the passed / duplicate counts gets them from the scored file
+    out = dataclasses.replace(out, metrics={**selection_metrics(per_prompt), **out.metrics})
     tracking.log_metrics(run_id, out.metrics)
     tracking.log_artifact(run_id, sft_path)
     tracking.set_tags(run_id, {"cache_key": key, "cached": str(out.cached).lower()})
-    per_prompt = acceptance_by_prompt(files, cfg)
     tracking.log_table(run_id, per_prompt, "acceptance_by_prompt.json")
-    publish_rejection_artifact(out.metrics, per_prompt, tracking.run_url(run_id))
+    publish_rejection_artifact(out.metrics, per_prompt, tracking.run_url(run_id), cfg)
     tracking.end(run_id)
     return dataclasses.replace(out, run_id=run_id)
 
 
-def acceptance_by_prompt(files: SamplingDir, cfg: RejectionConfig) -> list[dict]:
-    """Per prompt: completions sampled, kept and the acceptance rate (the selection is
-    recomputed from the scored file: it is a pure function of its rows and the settings)."""
-    rows = read_scored(files.scored).to_pylist()
-    kept = select_completions(
-        rows,
-        min_reward=cfg.min_reward,
-        max_per_prompt=cfg.max_per_prompt,
-        require={k: 1.0 for k in cfg.require},
+def _require(cfg: RejectionConfig) -> dict[str, float]:
+    return {k: 1.0 for k in cfg.require}
+
+
+def _classify(rows: list[dict], cfg: RejectionConfig) -> list[str]:
+    return classify_completions(
+        rows, min_reward=cfg.min_reward, max_per_prompt=cfg.max_per_prompt, require=_require(cfg)
     )
+
+
+def by_prompt(
+    rows: list[dict], cfg: RejectionConfig, status: list[str] | None = None
+) -> list[dict]:
+    """Per prompt, in order of first appearance: completions ``sampled``, ``passed`` (met the
+    requirements: ``min_reward`` and the ``require`` rewards at 1.0), ``duplicates`` (passed,
+    dropped as a repeat of another passing completion of the prompt), ``capped`` (passed and
+    distinct, dropped by ``max_per_prompt``) and ``kept`` (written to the re-SFT data);
+    ``passed = duplicates + capped + kept``. Rates and the mean reward are rounded to 3
+    decimals (they are read by people; the counts are exact). ``status``: the rows'
+    :func:`~grpo_core.rejection.classify_completions` when already computed."""
     stats: dict[str, dict] = {}
-    for r in rows:
-        s = stats.setdefault(
-            r["prompt_id"], {"prompt": r["prompt_text"], "sampled": 0, "kept": 0, "rewards": []}
-        )
+    for r, st in zip(rows, status or _classify(rows, cfg), strict=True):
+        s = stats.setdefault(r["prompt_id"], {"prompt": r["prompt_text"], "sampled": 0})
+        for k in (FAILED, DUPLICATE, OVER_CAP, KEPT, "rewards"):
+            s.setdefault(k, [] if k == "rewards" else 0)
         s["sampled"] += 1
+        s[st] += 1
         s["rewards"].append(r["reward"] if r["reward"] is not None else 0.0)
-    for r in kept:
-        stats[r["prompt_id"]]["kept"] += 1
     return [
         {
             "prompt_id": pid,
             "prompt": s["prompt"],
             "sampled": s["sampled"],
-            "kept": s["kept"],
-            "acceptance_rate": s["kept"] / s["sampled"],
-            "mean_reward": sum(s["rewards"]) / len(s["rewards"]),
+            "passed": s["sampled"] - s[FAILED],
+            "duplicates": s[DUPLICATE],
+            "capped": s[OVER_CAP],
+            "kept": s[KEPT],
+            "pass_rate": round((s["sampled"] - s[FAILED]) / s["sampled"], 3),
+            "acceptance_rate": round(s[KEPT] / s["sampled"], 3),  # kept / sampled
+            "mean_reward": round(sum(s["rewards"]) / len(s["rewards"]), 3),
         }
         for pid, s in stats.items()
     ]
 
 
-def publish_rejection_artifact(metrics: dict, per_prompt: list[dict], run_url: str | None) -> None:
-    """The Prefect artifact of rejection sampling (key ``rejection-sampling``): kept /
-    sampled, and the acceptance of each prompt (a table artifact, ``...-by-prompt``)."""
+def acceptance_by_prompt(files: SamplingDir, cfg: RejectionConfig) -> list[dict]:
+    """:func:`by_prompt` of the stage's scored file (the selection is recomputed from it: it
+    is a pure function of its rows and the settings)."""
+    return by_prompt(read_scored(files.scored).to_pylist(), cfg)
+
+
+def selection_metrics(per_prompt: list[dict]) -> dict[str, float]:
+    """The stage's ``passed``, ``duplicates``, ``capped`` and ``pass_rate`` (passed /
+    sampled) from :func:`by_prompt`'s rows."""
+    total = {
+        k: float(sum(r[k] for r in per_prompt))
+        for k in ("sampled", "passed", "duplicates", "capped")
+    }
+    sampled = total.pop("sampled")
+    return {**total, "pass_rate": total["passed"] / sampled if sampled else 0.0}
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def rejection_line(metrics: dict) -> str:
+    """The one-line summary, e.g. ``rejection sampling: 2048 sampled, 1530 passed (74.7%),
+    1046 duplicates, 484 kept`` (with ``N over the per-prompt cap`` before ``kept`` when the
+    cap dropped passing completions). ``metrics``: the stage's metrics, or the pipeline
+    summary's ``rejection_sampling`` entry; one without ``passed`` (recorded before it was
+    counted) gives ``... N sampled, K kept (P%)``."""
+    n, kept = int(metrics["sampled"]), int(metrics["kept"])
+    if metrics.get("passed") is None:
+        return f"rejection sampling: {n} sampled, {kept} kept ({_pct(kept, n)})"
+    passed, dups = int(metrics["passed"]), int(metrics.get("duplicates") or 0)
+    capped = int(metrics.get("capped", passed - dups - kept) or 0)
+    parts = [f"{n} sampled", f"{passed} passed ({_pct(passed, n)})", f"{dups} duplicates"]
+    if capped:
+        parts.append(f"{capped} over the per-prompt cap")
+    return "rejection sampling: " + ", ".join([*parts, f"{kept} kept"])
+
+
+def publish_rejection_artifact(
+    metrics: dict,
+    per_prompt: list[dict],
+    run_url: str | None,
+    cfg: RejectionConfig | None = None,
+) -> None:
+    """The Prefect artifact of rejection sampling (key ``rejection-sampling``): sampled,
+    passed, duplicates, capped and kept, and per prompt the same counts (a table artifact,
+    ``rejection-sampling-by-prompt``). ``cfg`` names the requirements and the cap."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     link = f"[MLflow run]({run_url})" if run_url else "MLflow run: see the tracking store"
-    md = (
-        f"## rejection_sampling\n\nKept **{int(metrics['kept'])}** of "
-        f"**{int(metrics['sampled'])}** completions ({100 * metrics['acceptance_rate']:.1f}%) "
-        f"over {int(metrics.get('prompts_covered', 0))} of {len(per_prompt)} prompts; mean "
-        f"reward {metrics.get('reward', float('nan')):.3f}. {link}\n\n"
-        "Per-prompt acceptance: artifact `rejection-sampling-by-prompt`."
+    n, kept = int(metrics["sampled"]), int(metrics["kept"])
+    counts = {**selection_metrics(per_prompt), **metrics}
+    passed, dups, capped = (int(counts[k]) for k in ("passed", "duplicates", "capped"))
+    if cfg is not None:
+        rule = f"total reward >= {cfg.min_reward:g}" + (
+            f" and {', '.join(cfg.require)} at 1.0" if cfg.require else ""
+        )
+        cap = f"max_per_prompt {cfg.max_per_prompt}"
+    else:
+        rule, cap = "the stage's requirements", "max_per_prompt"
+    md = "\n".join(
+        [
+            "## rejection_sampling",
+            "",
+            f"{rejection_line(counts)}",
+            "",
+            f"- **{passed}** of **{n}** sampled completions passed ({_pct(passed, n)}): {rule}",
+            f"- {dups} of the passing ones were duplicates of another passing completion of "
+            "their prompt (dropped)",
+            f"- {capped} passing, distinct ones were over the per-prompt cap ({cap}; dropped)",
+            f"- Kept **{kept}** of **{n}** completions ({_pct(kept, n)}) for re-SFT, over "
+            f"{int(metrics.get('prompts_covered', 0))} of {len(per_prompt)} prompts",
+            "",
+            f"Mean reward {metrics.get('reward', float('nan')):.3f}. {link}",
+            "",
+            "Per prompt (sampled, passed, duplicates, capped, kept): artifact "
+            "`rejection-sampling-by-prompt`.",
+        ]
     )
     create_markdown_artifact(
-        key="rejection-sampling", markdown=md, description="rejection sampling: kept / sampled"
+        key="rejection-sampling",
+        markdown=md,
+        description="rejection sampling: sampled / passed / duplicates / kept",
     )
-    table = [
-        {**r, "prompt": r["prompt"][-120:], "acceptance_rate": round(r["acceptance_rate"], 3)}
-        for r in per_prompt
-    ]
     create_table_artifact(
         key="rejection-sampling-by-prompt",
-        table=[{k: v for k, v in r.items() if k != "prompt_id"} for r in table],
-        description="rejection sampling: acceptance per prompt",
+        table=[
+            {**{k: v for k, v in r.items() if k != "prompt_id"}, "prompt": r["prompt"][-120:]}
+            for r in per_prompt
+        ],
+        description="rejection sampling per prompt: sampled, passed, duplicates, capped, kept",
     )
 
 
@@ -151,12 +242,9 @@ def _sample_and_filter(
         desc="rejection sampling",
     )
     scored = score_file(roll.path, str(files.scored), weights)
-    kept = select_completions(
-        read_scored(scored.path).to_pylist(),
-        min_reward=cfg.min_reward,
-        max_per_prompt=cfg.max_per_prompt,
-        require={k: 1.0 for k in cfg.require},
-    )
+    scored_rows = read_scored(scored.path).to_pylist()
+    status = _classify(scored_rows, cfg)
+    kept = [r for r, st in zip(scored_rows, status, strict=True) if st == KEPT]
     n = len(idx) * cfg.num_generations
     if not kept:
         means = ", ".join(
@@ -174,16 +262,13 @@ def _sample_and_filter(
         "sampled": float(n),
         "kept": float(len(kept)),
         "acceptance_rate": len(kept) / n,
+        **selection_metrics(by_prompt(scored_rows, cfg, status)),
         "prompts_covered": float(len({r["prompt_id"] for r in kept})),
         "reward": scored.metrics["reward"],
         **{k: v for k, v in scored.metrics.items() if k.startswith("rewards/")},
         "completions/mean_length": roll.metrics["completions/mean_length"],
     }
     logger(__name__).info(
-        "rejection sampling: kept %d of %d completions (%.1f%%) over %d prompts",
-        len(kept),
-        n,
-        100 * stats["acceptance_rate"],
-        int(stats["prompts_covered"]),
+        "%s, over %d prompts", rejection_line(stats), int(stats["prompts_covered"])
     )
     return RejectionResult(str(sft_path), stats)

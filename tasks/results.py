@@ -89,7 +89,9 @@ class EvalOutcome:
 @dataclass(frozen=True)
 class RejectionResult:
     path: str  # the SFT JSONL of kept completions (prompt, completion, answer, ...)
-    # sampled, kept, acceptance_rate, prompts_covered, reward, rewards/<fn>/*,
+    # sampled, passed (met the requirements), duplicates and capped (passed, dropped as a
+    # repeat / by max_per_prompt), kept (= passed - duplicates - capped), pass_rate (passed /
+    # sampled), acceptance_rate (kept / sampled), prompts_covered, reward, rewards/<fn>/*,
     # completions/mean_length
     metrics: dict[str, float]
     run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
