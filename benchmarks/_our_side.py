@@ -28,9 +28,9 @@ from _bench_common import (  # noqa: E402
 )
 
 TIMING_KEYS = {
-    "rollout": "timing/rollout_s",
-    "score": "timing/score_s",
-    "update": "timing/update_s",
+    "rollout": "train/timing/rollout_s",
+    "score": "train/timing/score_s",
+    "update": "train/timing/update_s",
 }
 
 
@@ -133,8 +133,8 @@ def run_rl(args) -> None:
         name: sum(m.value for m in client.get_metric_history(out["run_id"], key))
         for name, key in TIMING_KEYS.items()
     }
-    evals = sum(m.value for m in client.get_metric_history(out["run_id"], "timing/eval_s"))
-    lengths = client.get_metric_history(out["run_id"], "completions/mean_length")
+    evals = sum(m.value for m in client.get_metric_history(out["run_id"], "train/timing/eval_s"))
+    lengths = client.get_metric_history(out["run_id"], "train/completions/mean_length")
     per_iter = cfg.rl.prompts_per_iteration * cfg.rl.num_generations
     tokens = sum(m.value for m in lengths) * per_iter
     tracking.end(tracking.parent_run_id)

@@ -54,8 +54,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         # Open the MLflow store while the Prefect server is still starting: the first open of
         # a sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.
-        Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
+        store = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment)
         print(f"MLflow: runs go to {cfg.tracking.uri} ({cfg.tracking.uri_source})", flush=True)
+        if store.experiment_url():
+            print(f"MLflow UI: {store.experiment_url()}", flush=True)
         with local_server.attach(server):
             summary = r1_pipeline(cfg)
         summary["tracking_uri_source"] = cfg.tracking.uri_source

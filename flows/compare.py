@@ -1,7 +1,8 @@
 """``grpo compare [RUN ...]``: stages x metrics across pipeline runs, from MLflow.
 
-Reads what a pipeline logged (the parent run's ``<stage>/eval/<metric>`` metrics and each
-stage child run's ``reward`` per RL iteration and ``wall_time_s``), prints one table, writes a
+Reads what a pipeline logged (the parent run's ``stages/<n>_<stage>/<metric>`` metrics, its
+held-out numbers and wall time, and each RL stage run's ``train/reward`` per iteration),
+prints one table, writes a
 PNG (held-out accuracy per stage; mean reward per RL iteration) and logs that PNG as an
 artifact (``compare/<file>``) of every parent run compared. RUN is a parent run id or a run
 name (the latest parent run with that name); no RUN: the latest parent run of the experiment.
@@ -87,7 +88,11 @@ def resolve_runs(client, refs: list[str], experiment: str | None) -> list:
 
 
 def _reward_curve(client, run_id: str) -> list[float]:
-    """Mean reward per RL iteration: the ``reward`` metric, joined to ``iteration`` by step."""
+    """Mean reward per RL iteration: ``train/reward`` (one point per iteration); a run
+    logged before the chart keys: ``reward``, joined to its ``iteration`` metric by step."""
+    history = client.get_metric_history(run_id, "train/reward")
+    if history:
+        return [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
     rewards = sorted(
         client.get_metric_history(run_id, "reward"), key=lambda m: (m.step, m.timestamp)
     )
@@ -99,11 +104,26 @@ def _reward_curve(client, run_id: str) -> list[float]:
     return [m.value for m in rewards]
 
 
+_STAGE_KEY = re.compile(r"^stages/\d+_(?P<stage>[^/]+)/(?P<metric>[^/]+)$")
+_OLD_STAGE_KEY = re.compile(r"^(?P<stage>[^/]+)/eval/(?P<metric>[^/]+)$")
+
+
+def _stage_numbers(metrics: dict) -> dict[str, dict[str, float]]:
+    """The parent run's per-stage numbers: ``stages/<n>_<stage>/<metric>`` (and the
+    ``<stage>/eval/<metric>`` of runs logged before)."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        m = _STAGE_KEY.match(key) or _OLD_STAGE_KEY.match(key)
+        if m:
+            out.setdefault(m["stage"], {})[m["metric"]] = value
+    return out
+
+
 def load_pipeline_run(client, run) -> PipelineRun:
     from flows.config import CHECKPOINT_STAGES
 
-    metrics = run.data.metrics
-    names = {k.split("/eval/")[0] for k in metrics if "/eval/" in k}
+    numbers = _stage_numbers(run.data.metrics)
+    names = set(numbers)
     children = client.search_runs(
         [run.info.experiment_id],
         f"tags.mlflow.parentRunId = '{run.info.run_id}'",
@@ -123,18 +143,14 @@ def load_pipeline_run(client, run) -> PipelineRun:
     order = [s for s in CHECKPOINT_STAGES if s in names] + sorted(names - set(CHECKPOINT_STAGES))
     stages = []
     for name in order:
-        result = StageResult(
-            name,
-            eval={
-                m: metrics[f"{name}/eval/{m}"]
-                for m in EVAL_METRICS
-                if f"{name}/eval/{m}" in metrics
-            },
-        )
+        got = numbers.get(name, {})
+        result = StageResult(name, eval={m: got[m] for m in EVAL_METRICS if m in got})
+        # the pipeline's own measure of the stage (as its summary shows), else the stage's
+        result.wall_time_s = got.get("wall_time_s")
         for child in by_stage.get(name, []):
             result.rewards += _reward_curve(client, child.info.run_id)
             wall = child.data.metrics.get("wall_time_s")
-            if wall is not None:
+            if wall is not None and "wall_time_s" not in got:
                 result.wall_time_s = (result.wall_time_s or 0.0) + wall
         stages.append(result)
     return PipelineRun(run.info.run_id, run.info.run_name or run.info.run_id, stages)
@@ -202,7 +218,7 @@ def plot(runs: list[PipelineRun], path: str | Path) -> Path:
         xs = [j + (i - (len(runs) - 1) / 2) * width for j, st in enumerate(order) if st in acc]
         ys = [acc[st] for st in order if st in acc]
         bars = ax_acc.bar(xs, ys, width=width, label=r.label)
-        ax_acc.bar_label(bars, labels=[f"{100 * y:.0f}%" for y in ys], fontsize=8)
+        ax_acc.bar_label(bars, labels=[f"{100 * y:.1f}%" for y in ys], fontsize=8)
     ax_acc.set_xticks(range(len(order)), order)
     ax_acc.set_ylim(0, 1.05)
     ax_acc.set_ylabel("held-out accuracy (greedy pass@1)")

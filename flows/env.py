@@ -23,6 +23,9 @@ DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+    # MLflow prints "View run ... at" for every run it ends on a server, with links that open
+    # its UI in GenAI mode; `grpo run` prints its own (tasks/tracking.py: UI_MODE)
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }

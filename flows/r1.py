@@ -23,7 +23,8 @@ from flows.deployments import R1_FLOW
 from flows.lock import acquire_workspace
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
-from flows.summary import publish_pipeline_artifact, publish_stage_artifact
+from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, publish_sft_artifact, run_note
+from tasks.chart_keys import pipeline_stage_key
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
@@ -32,8 +33,6 @@ from tasks.run_states import end_open_runs
 from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
-
-COMPARE_PLOT = "compare/grpo-compare.png"  # the parent run's artifact, logged at every run end
 
 
 def named(call, name: str):
@@ -47,36 +46,6 @@ def _table_rows(path: str | None) -> list[dict]:
     import pyarrow.parquet as pq
 
     return pq.read_table(path).to_pylist() if path else []
-
-
-def run_note(cfg: PipelineConfig, rows: list[dict] | None = None) -> str:
-    """The parent run's MLflow description (``mlflow.note.content``): recipe, model, data and,
-    once known, the final table."""
-    model = cfg.model.model_dump(exclude_none=True)
-    data = cfg.data.model_dump(exclude_none=True)
-    lines = [
-        f"**R1 recipe** `{cfg.run_name}`: prepare -> cold_start_sft -> rl_1 -> "
-        "rejection_sampling -> re_sft -> rl_2 -> final evaluation of every stage's checkpoint.",
-        "",
-        f"- model: `{model}`",
-        f"- data: `{data}`",
-        f"- rewards: `{cfg.rewards}`; seed {cfg.seed}; RL: {cfg.rl.iterations} iterations x "
-        f"{cfg.rl.prompts_per_iteration} prompts x {cfg.rl.num_generations} generations, "
-        f"learning rate {cfg.rl.learning_rate:g}",
-        "",
-        "Charts: `eval/accuracy`, `eval/format_rate`, `eval/mean_length` have one step per "
-        "evaluated stage in recipe order ("
-        + ", ".join(f"{i} = {s}" for i, s in enumerate(CHECKPOINT_STAGES))
-        + f"); plot: artifact `{COMPARE_PLOT}`.",
-    ]
-    if rows:
-        lines += ["", "| stage | accuracy | format rate | mean length |", "|---|---|---|---|"]
-        lines += [
-            f"| {r['stage']} | {100 * r['accuracy']:.1f}% | {100 * r['format_rate']:.1f}% "
-            f"| {r['mean_length']:.1f} |"
-            for r in rows
-        ]
-    return "\n".join(lines)
 
 
 def _end_tracking(flow, flow_run, state) -> None:
@@ -124,7 +93,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         system_metrics=CHECKPOINT_STAGES,  # the training stages (and their final eval)
     )
     parent = tracking.parent_run_id
-    tracking.set_tags(parent, {"mlflow.note.content": run_note(cfg)})
+    tracking.set_tags(parent, {"mlflow.note.content": run_note(cfg, parent)})
     tracking.log_text(parent, yaml.safe_dump(cfg.model_dump(), sort_keys=False), "config.yaml")
     timings: dict[str, float] = {}
     ckpts: dict[str, str] = {}
@@ -166,6 +135,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         force=cfg.forced("cold_start_sft"),
     )
     ckpts["cold_start_sft"] = sft.checkpoint
+    publish_sft_artifact("cold_start_sft", sft, tracking)
 
     rl1 = timed(
         "rl_1",
@@ -206,6 +176,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         force=cfg.forced("re_sft"),
     )
     ckpts["re_sft"] = re.checkpoint
+    publish_sft_artifact("re_sft", re, tracking)
 
     rl2 = timed(
         "rl_2",
@@ -228,7 +199,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "re_sft": re.run_id,
         "rl_2": rl2["run_id"],
     }
-    in_loop_tables = {"rl_1": rl1.get("eval_table"), "rl_2": rl2.get("eval_table")}
+    # an RL stage's last in-loop eval is this evaluation of its final weights, and its start
+    # eval that of the stage before
+    sft_steps = {"cold_start_sft": sft.steps, "re_sft": re.steps}
+    same_as = {
+        "cold_start_sft": rl1.get("start_eval_table"),
+        "rl_1": rl1.get("eval_table"),
+        "re_sft": rl2.get("start_eval_table"),
+        "rl_2": rl2.get("eval_table"),
+    }
     for index, stage in enumerate(CHECKPOINT_STAGES):
         ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
             stage,
@@ -238,25 +217,31 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             str(ws.eval_table(stage)),
             force=cfg.forced("final_evaluation"),
             engine=cfg.rollout.engine_spec(cfg.eval.engine),
-            # an RL stage's last in-loop eval is this evaluation of its final weights
-            same_as=in_loop_tables.get(stage),
+            same_as=same_as.get(stage),
         )
         results[stage] = ev
         summary_metrics = ev.summary_metrics()
-        metrics = {f"{stage}/eval/{k}": v for k, v in summary_metrics.items()}
-        tracking.log_metrics(parent, metrics)
+        numbers = {
+            pipeline_stage_key(index, stage, k): v
+            for k, v in {**summary_metrics, "wall_time_s": timings[stage]}.items()
+        }
+        tracking.log_metrics(parent, numbers)
         # the stage progression as charts: one step per evaluated stage, in recipe order
         tracking.log_metrics(parent, {f"eval/{k}": v for k, v in summary_metrics.items()}, index)
-        tracking.log_metrics(eval_run, metrics)
+        tracking.log_metrics(
+            eval_run, {pipeline_stage_key(index, stage, k): v for k, v in summary_metrics.items()}
+        )
         tracking.log_artifact(eval_run, ev.table, "eval_tables")  # Parquet: pandas / DuckDB
         tracking.log_table(eval_run, _table_rows(ev.table), f"eval_tables/{stage}.json")
         # the stage's own run gets its final held-out numbers, table and sample completions
-        tracking.log_metrics(
-            stage_runs[stage], {f"final_eval/{k}": v for k, v in summary_metrics.items()}
-        )
+        if stage in sft_steps:  # an RL stage's curve ends with this eval (same_as)
+            tracking.log_metrics(
+                stage_runs[stage],
+                {f"eval/{k}": v for k, v in summary_metrics.items()},
+                sft_steps[stage],
+            )
         tracking.log_artifact(stage_runs[stage], ev.table, "eval")
         tracking.log_table(stage_runs[stage], ev.samples, "eval/samples.json")
-        publish_stage_artifact(stage, summary_metrics, stage_runs[stage], tracking, ev.samples)
     tracking.log_table(
         eval_run,
         [{"stage": s, **r} for s in CHECKPOINT_STAGES for r in results[s].samples],
@@ -279,10 +264,15 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "parent_run_id": parent,
         "tracking_uri": cfg.tracking.uri,
         "parent_run_url": tracking.run_url(parent),
+        "experiment_url": tracking.experiment_url(),
         "prefect_ui": _flow_run_url(),
         "workspace": str(ws.root),
         "stages": rows,
-        "rejection_sampling": {k: rs.metrics[k] for k in ("sampled", "kept", "acceptance_rate")},
+        "rejection_sampling": {
+            k: rs.metrics[k]
+            for k in ("sampled", "passed", "duplicates", "capped", "kept", "acceptance_rate")
+            if k in rs.metrics  # a result recorded before passed / duplicates were counted
+        },
         "timings": timings,
         "total_time_s": time.perf_counter() - t_start,
     }
@@ -295,9 +285,10 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             final_stage="rl_2",
         )
         summary["registered_model"] = f"{mv.name}/{mv.version}"
+        summary["champion"] = mv.champion()  # flows.registry.registration_line prints both
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
-    note = run_note(cfg, rows)
+    note = run_note(cfg, parent, rows)
     tracking.set_tags(parent, {"policy_id": results["rl_2"].policy_id, "mlflow.note.content": note})
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
     plot = _compare_plot(tracking, ws)

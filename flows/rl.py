@@ -1,5 +1,7 @@
 """One RL stage (rl_1, rl_2): ``iterations`` x [rollout -> Parquet -> score -> update],
-with a held-out eval every ``eval_every`` iterations and at the end.
+with a held-out eval of the starting checkpoint (``rl.eval_on_start``), every ``eval_every``
+iterations and at the end. Its MLflow curves are plotted against iterations under the chart
+keys of tasks/chart_keys.py; its Prefect artifact is flows/rl_report.py's.
 
 Each iteration's rollouts, scores and checkpoint land under ``<stage>/iter_NNNN/``; the
 policy stays warm in this process between tasks (tasks/warm.py). The stage's final policy is
@@ -13,18 +15,19 @@ over the stage's optimizer steps.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefect import flow
 
+from flows.rl_report import IterationGroup, StageReport, rollout_sample
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
 from tasks import storage, warm
+from tasks.chart_keys import chart_metrics, iteration_means, step_metrics
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
-from tasks.mlflow_keys import metric_batch
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.tracking import Tracking
@@ -69,6 +72,7 @@ def rl_stage(
     last_table = None  # the last in-loop eval's table: the final checkpoint's weights
     reused = 0
     metrics = tracking.pending(run_id)  # cached iterations are logged in one batch
+    report = StageReport(stage)
     log.info(
         "%s: %d iterations of %d prompts x %d generations from %s",
         stage,
@@ -77,8 +81,33 @@ def rl_stage(
         rl.num_generations,
         init_checkpoint,
     )
+
+    def held_out(checkpoint: str, done: int, out_table: Path, desc: str):
+        """The held-out eval of ``checkpoint`` after ``done`` iterations (MLflow step)."""
+        t_eval = time.perf_counter()
+        ev = evaluate_checkpoint(
+            checkpoint,
+            eval_path,
+            eval_cfg,
+            desc=desc,
+            force=force,
+            out_table=str(out_table),
+            engine=eval_engine,
+        )
+        evals.append({"iterations_done": done, "step": step, **ev.summary_metrics()})
+        point = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
+        metrics.add(chart_metrics({**point, "timing/eval_s": time.perf_counter() - t_eval}), done)
+        report.evaluated(done, ev)
+        tracking.log_table(run_id, ev.samples, f"eval_samples/step_{done:04d}.json")
+        return ev, point
+
+    start_eval = None
+    if rl.eval_on_start:  # step 0 of the curves: what RL starts from
+        start_eval, _ = held_out(
+            init_checkpoint, 0, ws.start_eval_table(stage), f"{stage} start eval"
+        )
     group: IterationGroup | None = None
-    name = tracking.child_name(stage)  # demo/rl_1: Prefect task runs as MLflow runs
+    name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
     for it in range(rl.iterations):
         if it % rl.eval_every == 0:
             last_it = min(it + rl.eval_every, rl.iterations) - 1
@@ -114,42 +143,24 @@ def rl_stage(
         it_cached = roll.cached and scored.cached and upd.cached
         reused += it_cached
         group.cached &= bool(it_cached)
-        for i, h in enumerate(upd.history):
-            metrics.add(headline_first(h), step + i + 1)
-            group.add(h, step + i + 1)
-        iter_metrics = headline_first({**scored.metrics, **roll.metrics})
-        iter_metrics["timing/update_s"] = upd.seconds
+        for i, h in enumerate(upd.history):  # the nested run keeps every optimizer step
+            group.add(step_metrics(h), step + i + 1)
+        done = it + 1  # the x-axis of the stage's curves: iterations done
+        point = {**iteration_means(upd.history), **scored.metrics, **roll.metrics}
+        point = chart_metrics({**point, "timing/update_s": upd.seconds})
         step, policy = upd.global_step, upd.checkpoint
-        metrics.add(iter_metrics, step)
-        group.add(iter_metrics, step)
+        metrics.add(point, done)
+        group.add(point, done)
+        report.iteration(it, point, it_cached)
         _prune(ws, stage, it)
-        last = it == rl.iterations - 1
-        if (it + 1) % rl.eval_every == 0 or last:
-            t_eval = time.perf_counter()
-            ev = evaluate_checkpoint(
-                policy,
-                eval_path,
-                eval_cfg,
-                desc=f"{stage} it{it} eval",
-                force=force,
-                out_table=str(ws.iteration_eval_table(stage, it)),
-                engine=eval_engine,
+        if done % rl.eval_every == 0 or done == rl.iterations:
+            ev, eval_point = held_out(
+                policy, done, ws.iteration_eval_table(stage, it), f"{stage} it{it} eval"
             )
             last_table = ev.table
-            evals.append(
-                {
-                    "iteration": it,
-                    "step": step,
-                    **ev.summary_metrics(),
-                }
-            )
-            eval_metrics = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
-            metrics.add({**eval_metrics, "timing/eval_s": time.perf_counter() - t_eval}, step)
-            group.end(step, eval_metrics, policy_id(policy))
-            # tables the MLflow UI pages through: training completions with their rewards,
-            # and held-out completions, at this eval point
-            tracking.log_table(run_id, _rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
-            tracking.log_table(run_id, ev.samples, f"eval_samples/iter_{it:04d}.json")
+            group.end(done, eval_point, policy_id(policy))
+            # the training completions the MLflow UI pages through, at this eval point
+            tracking.log_table(run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
             log.info(
                 "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
                 stage,
@@ -176,9 +187,10 @@ def rl_stage(
     if reused:
         log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
     wall = time.perf_counter() - t0
-    metrics.add({"wall_time_s": wall}, step)
+    metrics.add({"wall_time_s": wall}, rl.iterations)
     metrics.flush(tags=stage_tags)
     tracking.log_json(run_id, evals, "eval_history.json")
+    report.publish(tracking, run_id, wall)
     tracking.end(run_id)
     return {
         "checkpoint": str(final),
@@ -187,76 +199,14 @@ def rl_stage(
         "wall_time_s": wall,
         "evals": evals,
         "eval_table": last_table,
+        "start_eval_table": start_eval and start_eval.table,
         "cached_iterations": reused,
-    }
-
-
-@dataclass
-class IterationGroup:
-    """A run nested under the RL stage's run for iterations ``first..last`` (one eval
-    block), named ``<run>/<stage>/iter_<first>-<last>``: the block's curves (every per-step
-    and per-iteration metric at its global step), the eval at its end, and tags
-    ``iterations``, ``policy_id`` (the block's last checkpoint), ``config_hash`` and
-    ``cached``, so MLflow's compare view and ``search_runs`` can set blocks of one stage, or
-    of different runs, side by side."""
-
-    tracking: Tracking
-    run_id: str
-    batch: list = field(default_factory=list)
-    cached: bool = True
-
-    def add(self, metrics: dict, step: int) -> None:
-        self.batch.extend(metric_batch(metrics, step))
-
-    @classmethod
-    def start(cls, tracking, stage_run_id, stage, first, last, config) -> IterationGroup:
-        run_id = tracking.start_child(
-            stage,
-            {"iterations": f"{first}-{last}"},
-            config=config,
-            parent_run_id=stage_run_id,
-            run_name=tracking.child_name(f"{stage}/iter_{first:04d}-{last:04d}"),
-        )
-        return cls(tracking, run_id)
-
-    def end(self, step: int, eval_metrics: dict, policy: str) -> None:
-        self.tracking.log_metric_batch(
-            self.run_id,
-            self.batch + metric_batch(eval_metrics, step),
-            {"policy_id": policy, "cached": str(self.cached).lower()},
-        )
-        self.tracking.end(self.run_id)
-
-
-HEADLINE = ("reward", "eval/accuracy", "accuracy", "loss", "kl", "entropy")
-
-
-def headline_first(metrics: dict) -> dict:
-    """``metrics`` with the headline curves (reward, accuracy, loss, KL, entropy) first:
-    the order in which they are first logged."""
-    return {
-        **{k: metrics[k] for k in HEADLINE if k in metrics},
-        **{k: v for k, v in metrics.items() if k not in HEADLINE},
     }
 
 
 def named(call, name: str):
     """A Prefect task whose run is named ``name`` (``demo/rl_1/rollout-0``)."""
     return call.with_options(task_run_name=lambda: name)
-
-
-def _rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
-    """A few scored completions (text, rewards, advantage) for the MLflow UI."""
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(scored_path)
-    keep = [
-        c
-        for c in table.column_names
-        if c in ("prompt_text", "completion", "reward", "advantage", "finish_reason", "answer")
-        or c.startswith("reward_")
-    ]
-    return table.select(keep).slice(0, n).to_pylist()
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:

@@ -12,6 +12,53 @@ from tasks.mlflow_store import sqlite_path
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
 
+COMPARE_PLOT = "compare/grpo-compare.png"  # the parent run's artifact, logged at every run end
+
+
+def _settings(section) -> str:
+    """A config section's settings that differ from the defaults, as ``key=value`` text."""
+    shown = section.model_dump(exclude_defaults=True, exclude_none=True)
+    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "defaults"
+
+
+def run_note(cfg, parent_run_id: str, rows: list[dict] | None = None) -> str:
+    """The parent run's MLflow description (``mlflow.note.content``): the stage table once
+    known, the comparison plot (stages by name), then what ran (settings that differ from
+    the defaults; the whole config is the ``config.yaml`` artifact)."""
+    from flows.config import CHECKPOINT_STAGES
+
+    lines = []
+    if rows:
+        lines += [
+            "| stage | held-out accuracy | format rate | mean length | wall time |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['stage']} | {100 * r['accuracy']:.1f}% | {100 * r['format_rate']:.1f}% "
+            f"| {r['mean_length']:.1f} | {r['wall_time_s']:.0f}s |"
+            for r in rows
+        ]
+        plot = f"get-artifact?path={COMPARE_PLOT.replace('/', '%2F')}&run_uuid={parent_run_id}"
+        lines += ["", f"![held-out accuracy per stage and reward per RL iteration]({plot})", ""]
+    else:
+        lines += ["*Running: the stage table appears here when the pipeline ends.*", ""]
+    lines += [
+        f"**R1 recipe** `{cfg.run_name}`: cold_start_sft -> rl_1 -> rejection_sampling -> "
+        "re_sft -> rl_2, then every stage's checkpoint on the same held-out set.",
+        "",
+        f"- model: {_settings(cfg.model)}",
+        f"- data: {_settings(cfg.data)}",
+        f"- rewards: {cfg.rewards}; seed {cfg.seed}",
+        f"- RL: {cfg.rl.iterations} iterations x {cfg.rl.prompts_per_iteration} prompts x "
+        f"{cfg.rl.num_generations} generations, learning rate {cfg.rl.learning_rate:g}",
+        "",
+        "Charts: `eval/*` have one step per evaluated stage ("
+        + ", ".join(f"{i} = {s}" for i, s in enumerate(CHECKPOINT_STAGES))
+        + "); `stages/<n>_<stage>/*` hold each stage's numbers; the whole config is the "
+        "`config.yaml` artifact.",
+    ]
+    return "\n".join(lines)
+
 
 def render_summary(summary: dict, console: Console | None = None) -> None:
     console = console or Console(soft_wrap=True)
@@ -35,23 +82,26 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
     console.print(table)
     rs = summary.get("rejection_sampling")
     if rs:
-        console.print(
-            f"rejection sampling kept {int(rs['kept'])} of {int(rs['sampled'])} completions "
-            f"({100 * rs['acceptance_rate']:.1f}%)"
-        )
+        from tasks.rejection import rejection_line
+
+        console.print(rejection_line(rs))
     console.print(f"total time {summary['total_time_s']:.0f}s; outputs in {summary['workspace']}")
     if summary.get("registered_model"):
-        console.print(f"final checkpoint registered in MLflow as {summary['registered_model']}")
+        from flows.registry import registration_line
+
+        line = registration_line(summary["registered_model"], summary.get("champion"))
+        console.print(f"final checkpoint {line} in the MLflow model registry")
     console.print("\nWhere to look next:")
     for line in where_to_look(summary):
         console.print(f"  {line}")
 
 
-def mlflow_hint(uri: str) -> str:
-    """How to open the MLflow UI on ``uri``: the URL of a tracking server, or the
-    ``mlflow ui`` command for a sqlite file (with its absolute path) or a folder store."""
+def mlflow_hint(uri: str, experiment_url: str | None = None) -> str:
+    """How to open the MLflow UI on ``uri``: the experiment's runs table on a tracking server
+    (``experiment_url``, else the server's URL), or the ``mlflow ui`` command for a sqlite
+    file (with its absolute path) or a folder store."""
     if uri.startswith(("http://", "https://")):
-        return f"open {uri.rstrip('/')}"
+        return f"open {experiment_url or uri.rstrip('/')}"
     path = sqlite_path(uri)
     if path is not None:
         return f"mlflow ui --backend-store-uri sqlite:///{path.resolve()}"
@@ -62,7 +112,8 @@ def where_to_look(summary: dict) -> list[str]:
     uri = summary["tracking_uri"]
     lines = [f"MLflow runs recorded at {uri} ({summary.get('tracking_uri_source', 'config')})"]
     url = summary.get("parent_run_url")
-    lines.append(f"{mlflow_hint(uri)}    (parent run {url or summary['parent_run_id']})")
+    lines.append(f"{mlflow_hint(uri, summary.get('experiment_url'))}")
+    lines.append(f"  parent run: {url or summary['parent_run_id']}")
     prefect = summary.get("prefect_ui")
     lines.append(
         f"Prefect: {prefect}"
@@ -101,30 +152,25 @@ def md_cell(value, limit: int = 160) -> str:
     return text.translate(_MD_SPECIAL)
 
 
-def _md_link(text: str, url: str | None) -> str:
+def md_link(text: str, url: str | None) -> str:
     return f"[{text}]({url})" if url else f"`{text}`"
 
 
-def publish_stage_artifact(
-    stage: str, metrics: dict, run_id: str, tracking: Tracking, samples: list[dict]
-) -> None:
-    """A markdown artifact per stage (key ``<stage>-summary``) so the Prefect UI shows what each
-    stage did, with history across runs, and where its MLflow run is."""
+def publish_sft_artifact(stage: str, result, tracking: Tracking) -> None:
+    """An SFT stage's Prefect artifact (key ``<stage>-summary``), published when it ends:
+    what it trained and where its MLflow run is. Its held-out numbers are the next RL
+    stage's step 0 and the pipeline's summary."""
     from prefect.artifacts import create_markdown_artifact
 
-    rows = "\n".join(
-        f"| {md_cell(k)} | {v:.4g} |" for k, v in metrics.items() if isinstance(v, int | float)
-    )
-    examples = "\n".join(
-        f"| {md_cell(s.get('prompt', ''))} | {md_cell(s.get('completion', ''), 120)} "
-        f"| {md_cell(s.get('correct'))} |"
-        for s in samples[:5]
+    how = (
+        "reused from the stage cache" if result.cached else f"trained in {result.wall_time_s:.0f}s"
     )
     md = (
-        f"## {stage}\n\nMLflow run: {_md_link(run_id, tracking.run_url(run_id))} "
-        f"(tracking URI `{tracking.uri}`)\n\n"
-        f"| metric | value |\n|---|---|\n{rows}\n\n"
-        f"Held-out samples:\n\n| prompt | completion | correct |\n|---|---|---|\n{examples}\n"
+        f"## {stage}\n\nMLflow run: {md_link(result.run_id, tracking.run_url(result.run_id))}\n\n"
+        f"{result.steps} optimizer steps on {result.train_examples} examples, final loss "
+        f"**{result.final_loss:.3f}**"
+        + (" (stopped early at the target dev accuracy)" if result.stopped_early else "")
+        + f"; {how}.\n"
     )
     create_markdown_artifact(
         key=f"{stage.replace('_', '-')}-summary", markdown=md, description=f"{stage} summary"
@@ -132,7 +178,7 @@ def publish_stage_artifact(
 
 
 def publish_pipeline_artifact(summary: dict, tracking: Tracking, plot: str | None) -> None:
-    """The pipeline's one summary artifact (key ``r1-pipeline-summary``): the final table,
+    """The pipeline's one summary artifact (key ``pipeline-summary``): the final table,
     rejection sampling, and links to the MLflow parent run and the comparison plot."""
     from prefect.artifacts import create_markdown_artifact
 
@@ -152,20 +198,24 @@ def publish_pipeline_artifact(summary: dict, tracking: Tracking, plot: str | Non
         "",
     ]
     if rs:
-        lines.append(
-            f"Rejection sampling kept {int(rs['kept'])} of {int(rs['sampled'])} completions "
-            f"({100 * rs['acceptance_rate']:.1f}%)."
-        )
-    lines.append(f"\nMLflow parent run: {_md_link(parent, tracking.run_url(parent))}")
+        from tasks.rejection import rejection_line
+
+        line = rejection_line(rs)
+        lines.append(f"{line[0].upper()}{line[1:]}.")
+    lines.append(f"\nMLflow parent run: {md_link(parent, tracking.run_url(parent))}")
     if plot:
-        url = tracking.run_url(parent)
         lines.append(
-            f"\nComparison plot: {_md_link(plot, url and f'{url}/artifacts/{plot}')}"
+            f"\nComparison plot: {md_link(plot, tracking.run_url(parent, f'artifacts/{plot}'))}"
             f" (artifact `{plot}` of the parent run; tracking URI `{tracking.uri}`)"
         )
+    if summary.get("registered_model"):
+        from flows.registry import registration_line
+
+        line = registration_line(summary["registered_model"], summary.get("champion"))
+        lines.append(f"\nFinal checkpoint {md_cell(line, 300)} in the MLflow model registry.")
     lines.append(f"\nOutputs: `{summary['workspace']}`; total time {summary['total_time_s']:.0f}s")
     create_markdown_artifact(
-        key="r1-pipeline-summary",
+        key="pipeline-summary",
         markdown="\n".join(lines),
         description=f"R1 pipeline {summary['run_name']}: held-out accuracy per stage",
     )

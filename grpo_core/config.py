@@ -220,6 +220,11 @@ class RLConfig(TrainingKnobs):
     )
     max_completion_length: int = Field(48, ge=1)
     eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
+    eval_on_start: bool = Field(
+        True,
+        description="held-out eval of the starting checkpoint (step 0 of the stage's curves; "
+        "in `grpo run` it is also the previous stage's final evaluation, so it costs nothing)",
+    )
     rewards_max_error_rate: float = Field(
         1.0,
         gt=0,

@@ -93,7 +93,11 @@ launch() {  # launch NAME CMD... : new session (pid = process group id), output 
 for svc in "$@"; do
     case "$svc" in
         prefect)
-            if PREFECT_HOME="$STATE/prefect" launch prefect \
+            # The UI asks /ui-settings where its API is: that answer comes from the server's
+            # settings, not from --port (left alone it is :4200, "Can't connect to Server API")
+            if PREFECT_HOME="$STATE/prefect" PREFECT_SERVER_API_HOST="$HOST" \
+                PREFECT_SERVER_API_PORT="$PREFECT_PORT" PREFECT_UI_API_URL="$API_URL" \
+                PREFECT_API_URL="$API_URL" launch prefect \
                 "$PY" -m prefect server start --host "$HOST" --port "$PREFECT_PORT"; then
                 wait_http prefect "$API_URL/health"
                 echo "prefect: $API_URL (UI http://$HOST:$PREFECT_PORT, pid $(cat "$STATE/prefect.pid"))"

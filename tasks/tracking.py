@@ -85,6 +85,29 @@ def source_tags() -> dict[str, str]:
     return tags
 
 
+# MLflow 3's UI remembers one "workflow type" per browser and starts in GenAI mode (trace
+# overview, "Evaluations" tabs, no model registry in the sidebar) whatever the experiment's
+# kind tag says; a URL that carries ``workflowType=machine_learning`` opens the runs table and
+# the run pages of model training, and switches the browser's remembered mode to it.
+UI_MODE = "workflowType=machine_learning"
+
+
+def experiment_url(uri: str, experiment_id: str) -> str | None:
+    """``uri``'s UI page of the experiment's runs table, in model-training mode; None for a
+    store without a UI server (sqlite file, folder)."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{UI_MODE}"
+
+
+def run_url(uri: str, experiment_id: str, run_id: str, tab: str = "") -> str | None:
+    """The run's page (``#/experiments/<id>/runs/<run id>[/<tab>]``), in model-training mode."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    tab = f"/{tab.strip('/')}" if tab else ""
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}{tab}?{UI_MODE}"
+
+
 TRACKING_ENV = "MLFLOW_TRACKING_URI"
 
 
@@ -104,8 +127,8 @@ def _set_global_uri(uri: str) -> None:
 @dataclass(frozen=True)
 class Tracking:
     """Where to log: tracking URI, experiment and the pipeline's parent run (plain strings,
-    so it can be passed to Prefect tasks). ``run_name`` (the pipeline's) prefixes every
-    child run's name: ``demo/rl_1``. Stages named in ``system_metrics`` record CPU, memory
+    so it can be passed to Prefect tasks). ``run_name`` (the pipeline's) ends every
+    child run's name: ``rl_1 (demo)``. Stages named in ``system_metrics`` record CPU, memory
     (and GPU, with pynvml) as ``system/*`` metrics while their run is open."""
 
     uri: str
@@ -173,7 +196,7 @@ class Tracking:
         with store_call(self.uri):  # a RUNNING run is known as open (end_open_runs)
             if resume:
                 run_id = previous.info.run_id
-                client.update_run(run_id, status="RUNNING")
+                reopen(self.uri, run_id)
             else:
                 run_id = client.create_run(
                     self.experiment_id, run_name=run_name, tags=all_tags
@@ -244,7 +267,7 @@ class Tracking:
         run_name: str | None = None,
     ) -> str:
         """A run nested under the pipeline's parent run (or under ``parent_run_id``), named
-        ``<pipeline run name>/<stage>`` (or ``run_name``), tagged with its ``stage``, MLflow's
+        ``<stage> (<pipeline run name>)`` (or ``run_name``), tagged with its ``stage``, MLflow's
         source tags and, given its ``config``, ``config_hash``."""
         all_tags = {"stage": stage, **source_tags(), **dict(self.run_tags)}
         all_tags.update(tags or {})
@@ -262,20 +285,19 @@ class Tracking:
             start_system_metrics(run.info.run_id, self.uri)
         return run.info.run_id
 
-    def child_name(self, name: str) -> str:
-        """``<pipeline run name>/<name>``: which pipeline a run belongs to, at a glance."""
-        return f"{self.run_name}/{name}" if self.run_name else name
+    def child_name(self, stage: str, detail: str = "") -> str:
+        """``<stage>[ <detail>] (<pipeline run name>)``: ``rl_1 (demo)``, ``rl_1 it 0-4 (demo)``.
+        The stage comes first: the runs table cuts long names at its column's width."""
+        name = f"{stage} {detail}" if detail else stage
+        return f"{name} ({self.run_name})" if self.run_name else name
 
     def experiment_url(self) -> str | None:
-        """The experiment's page in the MLflow UI (tracking servers only)."""
-        if not self.uri.startswith(("http://", "https://")):
-            return None
-        return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}"
+        """The experiment's runs table in the MLflow UI (tracking servers only)."""
+        return experiment_url(self.uri, self.experiment_id)
 
-    def run_url(self, run_id: str) -> str | None:
-        """The run's page in the MLflow UI: ``#/experiments/<experiment id>/runs/<run id>``."""
-        base = self.experiment_url()
-        return f"{base}/runs/{run_id}" if base else None
+    def run_url(self, run_id: str, tab: str = "") -> str | None:
+        """The run's page in the MLflow UI (``tab``: ``model-metrics``, ``artifacts/<path>``)."""
+        return run_url(self.uri, self.experiment_id, run_id, tab)
 
     def log_table(self, run_id: str, rows: list[dict], name: str) -> None:
         """``rows`` as an MLflow table artifact ``name`` (``.json``): the UI pages through it
@@ -336,6 +358,16 @@ class Tracking:
         with store_call(self.uri):
             self.client.set_terminated(run_id, status)
             closed(run_id)
+
+
+def reopen(uri: str, run_id: str) -> None:
+    """Mark an ended run RUNNING again, with no end time: the UI shows a continued run as it
+    shows a new one (no duration), not the killed attempt's end (``MlflowClient.update_run``
+    cannot clear it, and ``set_terminated`` turns an end time of 0 into now)."""
+    from mlflow.entities import RunStatus
+
+    store = MlflowClient(tracking_uri=uri)._tracking_client.store
+    store.update_run_info(run_id, RunStatus.RUNNING, end_time=0, run_name=None)
 
 
 # Tags on a pipeline's parent run (besides run_states.PID, HOST and WORKSPACE).

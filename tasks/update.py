@@ -272,7 +272,7 @@ def update(
 ) -> UpdateResult:
     """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
     identity: tasks/warm.py); ``seed`` seeds the RNGs at the stage's first step."""
-    knobs = rl.model_dump(exclude={"eval_every", "iterations"})
+    knobs = rl.model_dump(exclude={"eval_every", "eval_on_start", "iterations"})
     inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
     settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
     key = stage_key("update", settings, inputs)

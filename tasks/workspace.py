@@ -51,6 +51,10 @@ class Workspace:
     def iteration_checkpoint(self, stage: str, iteration: int) -> Path:
         return self.iteration_dir(stage, iteration) / "checkpoint"
 
+    def start_eval_table(self, stage: str) -> Path:
+        """The held-out eval of an RL stage's starting checkpoint (its curves' step 0)."""
+        return self.stage_dir(stage) / "eval_start.parquet"
+
     def iteration_eval_table(self, stage: str, iteration: int) -> Path:
         return self.iteration_dir(stage, iteration) / "eval.parquet"
 

@@ -9,6 +9,7 @@ from tests_support import TINY_OVERRIDES as TINY
 from flows.config import CHECKPOINT_STAGES as STAGES
 from flows.config import STAGE_NAMES, load_config
 from grpo_core.rollouts import ROLLOUT_COLUMNS
+from tasks.chart_keys import pipeline_stage_key
 from tasks.workspace import Workspace
 
 
@@ -24,30 +25,33 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
     assert [r["stage"] for r in summary["stages"]] == list(STAGES)
     client = MlflowClient(tracking_uri)
     parent = client.get_run(summary["parent_run_id"])
-    for stage in STAGES:
-        for m in ("accuracy", "format_rate", "mean_length"):
-            assert f"{stage}/eval/{m}" in parent.data.metrics
+    for index, stage in enumerate(STAGES):
+        for m in ("accuracy", "format_rate", "mean_length", "wall_time_s"):
+            assert pipeline_stage_key(index, stage, m) in parent.data.metrics
     children = client.search_runs(
         [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
     )
     by_stage = {r.data.tags["stage"]: r for r in children}
     assert set(by_stage) == set(STAGE_NAMES)
     rl1 = by_stage["rl_1"]
-    for m in (
-        "reward",
-        "reward_std",
-        "frac_reward_zero_std",
-        "entropy",
-        "clip_ratio/low_mean",
-        "clip_ratio/high_mean",
-        "completions/mean_length",
-        "rewards/accuracy/mean",
-        "loss",
-        "learning_rate",
+    for m in (  # TRL's names, grouped for the UI (tasks/chart_keys.py)
+        "train/reward",
+        "train/reward_std",
+        "train/more/frac_reward_zero_std",
+        "train/entropy",
+        "train/clip_ratio/low_mean",
+        "train/clip_ratio/high_mean",
+        "train/completions/mean_length",
+        "train/rewards/accuracy/mean",
+        "train/loss",
+        "train/more/learning_rate",
         "eval/accuracy",
     ):
         assert m in rl1.data.metrics, m
-    assert len(client.get_metric_history(rl1.info.run_id, "loss")) == 4  # 2 iterations x 2 steps
+    # one point per iteration (2 optimizer steps each), the held-out eval from step 0
+    assert [h.step for h in client.get_metric_history(rl1.info.run_id, "train/loss")] == [1, 2]
+    evals = client.get_metric_history(rl1.info.run_id, "eval/accuracy")
+    assert sorted(h.step for h in evals) == [0, 1, 2]
     assert rl1.data.params["loss_type"] == "bnpo"  # the demo preset
 
     # tags for MLflow's compare view and search_runs filters
@@ -64,7 +68,7 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
     assert sorted(g.data.tags["iterations"] for g in groups) == ["0-0", "1-1"]
     for g in groups:
         assert g.data.tags["stage"] == "rl_1" and g.data.tags["cached"] == "false"
-        assert {"eval/accuracy", "reward", "loss"} <= set(g.data.metrics)
+        assert {"eval/accuracy", "train/reward", "train/by_step/loss"} <= set(g.data.metrics)
         assert g.data.tags["config_hash"] == rl1.data.tags["config_hash"]
     same_settings = client.search_runs(
         [parent.info.experiment_id], f"tags.config_hash = '{rl1.data.tags['config_hash']}'"

@@ -130,7 +130,7 @@ def test_grpo_run_against_real_prefect_and_mlflow_servers(servers, tmp_path):
     client = MlflowClient(servers["mlflow"])
     exp = client.get_experiment_by_name("grpo-demo")
     runs = client.search_runs([exp.experiment_id], "tags.pipeline = 'r1'")
-    assert len(runs) == 1 and "rl_2/eval/accuracy" in runs[0].data.metrics
+    assert len(runs) == 1 and "stages/4_rl_2/accuracy" in runs[0].data.metrics
     assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {
         "config.yaml",
         "summary.json",

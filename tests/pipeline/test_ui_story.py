@@ -32,6 +32,9 @@ EDGES = {
     ("re_sft", "rl_2"),
     *(("prepare", f"final_evaluation/{s}") for s in CHECKPOINT_STAGES),
     *((s, f"final_evaluation/{s}") for s in CHECKPOINT_STAGES),
+    # an SFT checkpoint's final eval is the next RL stage's start eval (the same table)
+    ("rl_1", "final_evaluation/cold_start_sft"),
+    ("rl_2", "final_evaluation/re_sft"),
 }
 
 
@@ -71,12 +74,44 @@ def test_a_run_leaves_the_next_runs_default_alone(tmp_path, monkeypatch):
     assert os.environ["MLFLOW_TRACKING_URI"] == "http://127.0.0.1:1"
 
 
+def test_a_continued_parent_run_shows_no_stale_duration(tmp_path):
+    """A resumed pipeline continues its killed parent run: RUNNING again with no end time, as
+    a new run (the UI's duration is end - start: the killed attempt's end made it stale)."""
+    from tasks.tracking import Tracking
+
+    store = Tracking.open(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
+    first = store.start_parent("r", {}, params={"a": 1}, workspace=tmp_path / "ws")
+    first.end(first.parent_run_id, "KILLED")
+    assert first.client.get_run(first.parent_run_id).info.end_time
+    again = store.start_parent("r", {}, params={"a": 1}, workspace=tmp_path / "ws")
+    info = again.client.get_run(again.parent_run_id).info
+    assert again.parent_run_id == first.parent_run_id
+    assert info.status == "RUNNING" and not info.end_time
+    again.end(again.parent_run_id)
+    assert again.client.get_run(again.parent_run_id).info.end_time > info.start_time
+
+
+def test_mlflow_urls_open_model_training_mode():
+    from tasks.tracking import experiment_url, run_url
+
+    assert experiment_url("sqlite:///m.db", "1") is None
+    assert (
+        experiment_url("http://h:5000/", "3")
+        == "http://h:5000/#/experiments/3/runs?workflowType=machine_learning"
+    )
+    assert (
+        run_url("http://h:5000", "3", "ab", "model-metrics")
+        == "http://h:5000/#/experiments/3/runs/ab/model-metrics?workflowType=machine_learning"
+    )
+
+
 def test_markdown_cells_and_closing_hint():
     from flows.summary import md_cell, mlflow_hint
 
     cell = md_cell("<|user|>12+3=?<|assistant|> a|b\nc")
     assert re.search(r"(?<!\\)\|", cell) is None and "\n" not in cell and "<" not in cell
     assert mlflow_hint("http://127.0.0.1:5000/") == "open http://127.0.0.1:5000"
+    assert mlflow_hint("http://h:5000", "http://h:5000/#/x?y") == "open http://h:5000/#/x?y"
     hint = mlflow_hint("sqlite:///mlflow.db")
     assert hint.startswith("mlflow ui --backend-store-uri sqlite:////")
 
@@ -100,7 +135,11 @@ def test_ui_story(servers, tmp_path):  # noqa: F811
     out = _grpo_run(servers, tmp_path, "lr-3e-4", "rl.learning_rate=3e-4")
     # 3. the environment's tracking server, said so; the hint for a server is its URL
     assert f"runs go to {servers['mlflow']} (MLFLOW_TRACKING_URI)" in out
-    assert f"open {servers['mlflow']}" in out and "--backend-store-uri http" not in out
+    ui = f"{servers['mlflow']}/#/experiments/"
+    assert (
+        f"MLflow UI: {ui}" in out and f"open {ui}" in out and "--backend-store-uri http" not in out
+    )
+    assert "View run" not in out  # MLflow's own links (GenAI mode) are not printed
     assert not (tmp_path / "mlflow.db").exists()
     check_story(servers["prefect"], servers["mlflow"], "lr-3e-4")
 
@@ -131,11 +170,13 @@ def check_story(api: str, mlflow_uri: str, run_name: str) -> None:
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == pid]
     by_stage = {r.data.tags["stage"]: r for r in children}
     # 6. run names say which pipeline they belong to
-    assert {r.info.run_name for r in children} == {f"{run_name}/{s}" for s in by_stage}
+    assert {r.info.run_name for r in children} == {f"{s} ({run_name})" for s in by_stage}
     groups = [
         r for r in runs if r.data.tags.get("mlflow.parentRunId") == by_stage["rl_1"].info.run_id
     ]
-    assert groups and all(g.info.run_name.startswith(f"{run_name}/rl_1/iter_") for g in groups)
+    assert groups and all(
+        re.fullmatch(rf"rl_1 it \d+-\d+ \({run_name}\)", g.info.run_name) for g in groups
+    )
     # 7. stage progression on the parent: one step per evaluated stage; plot; description
     for m in ("accuracy", "format_rate", "mean_length"):
         steps = [h.step for h in client.get_metric_history(pid, f"eval/{m}")]
@@ -143,19 +184,28 @@ def check_story(api: str, mlflow_uri: str, run_name: str) -> None:
     parent_files = {a.path for a in client.list_artifacts(pid, "compare")}
     assert "compare/grpo-compare.png" in parent_files
     note = parent.data.tags["mlflow.note.content"]
-    assert "R1 recipe" in note and "| rl_2 |" in note and "model:" in note and "data:" in note
+    assert note.startswith("| stage | held-out accuracy |") and "| rl_2 |" in note
+    assert "R1 recipe" in note and "model:" in note and "data:" in note
+    assert f"get-artifact?path=compare%2Fgrpo-compare.png&run_uuid={pid}" in note
     # 8. tables the UI renders (and the Parquet kept)
     rl1 = by_stage["rl_1"].info.run_id
     files = {a.path for a in client.list_artifacts(rl1, "samples")}
     files |= {a.path for a in client.list_artifacts(rl1, "eval_samples")}
     files |= {a.path for a in client.list_artifacts(rl1, "eval")}
-    assert {"samples/iter_0000.json", "eval_samples/iter_0000.json", "eval/samples.json"} <= files
+    assert {"samples/iter_0000.json", "eval_samples/step_0000.json", "eval/samples.json"} <= files
     assert any(f.endswith(".parquet") for f in files)
     import mlflow
 
     mlflow.set_tracking_uri(mlflow_uri)  # load_table searches with the global URI
+    # 10. `grpo compare` shows the wall times the run's summary shows
+    from flows.compare import load_pipeline_run
+
+    shown = mlflow.artifacts.load_dict(f"runs:/{pid}/summary.json")
+    compared = {s.stage: s.wall_time_s for s in load_pipeline_run(client, parent).stages}
+    assert compared == {r["stage"]: pytest.approx(r["wall_time_s"]) for r in shown["stages"]}
     table = client.load_table(exp.experiment_id, "samples/iter_0000.json", run_ids=[rl1])
-    assert {"completion", "reward", "advantage"} <= set(table.columns) and len(table)
+    assert list(table.columns[:3]) == ["reward", "advantage", "answer"] and len(table)
+    assert {"completion", "model_answer"} <= set(table.columns)
     ev_run = by_stage["final_evaluation"].info.run_id
     assert {f"eval_tables/{s}.json" for s in CHECKPOINT_STAGES} <= {
         a.path for a in client.list_artifacts(ev_run, "eval_tables")
@@ -166,7 +216,11 @@ def check_story(api: str, mlflow_uri: str, run_name: str) -> None:
     assert by_stage["rl_1"].data.tags["global_step"] == "4"
     assert by_stage["rl_1"].data.tags["cached"] in ("true", "false")
     g0 = min(groups, key=lambda g: g.info.run_name)
-    assert [h.step for h in client.get_metric_history(g0.info.run_id, "loss")] == [1, 2]
+    by_step = client.get_metric_history(g0.info.run_id, "train/by_step/loss")
+    assert [h.step for h in by_step] == [1, 2]
+    # the stage's curves: one point per iteration, the eval from step 0
+    rl1_evals = client.get_metric_history(rl1, "eval/accuracy")
+    assert sorted(h.step for h in rl1_evals) == [0, 1, 2]
     # 10. standard source tags; system metrics on the training stages
     for r in [parent, *children]:
         assert r.data.tags["mlflow.source.name"] == "grpo-pipeline"
@@ -217,22 +271,30 @@ def check_story(api: str, mlflow_uri: str, run_name: str) -> None:
         assert edges == EDGES, edges ^ EDGES
         arts = _artifacts(api, [top_id, *sub_ids])
 
-    # 1. + 2. stage artifacts: links to the MLflow run page, escaped sample tables
+    # 1. + 2. stage artifacts: links to the MLflow run page (model-training mode); RL stages
+    # tell reward and held-out accuracy first -> last, per iteration, in escaped tables
+    link_re = r"\]\((http[^)]*)/#/experiments/(\w+)/runs/([0-9a-f]{32})\?workflowType=\w+\)"
     for s in CHECKPOINT_STAGES:
         md = arts[f"{s.replace('_', '-')}-summary"]["data"]
-        link = re.search(r"\]\((http[^)]*)/#/experiments/(\w+)/runs/([0-9a-f]{32})\)", md)
+        link = re.search(link_re, md)
         assert link, md
         assert link.group(1) == mlflow_uri and link.group(2) == exp.experiment_id
         assert client.get_run(link.group(3)).info.experiment_id == exp.experiment_id
         assert httpx.get(link.group(1)).status_code == 200
-        table = md.split("| prompt | completion | correct |")[1].strip().splitlines()
-        for row in table:
-            assert len(re.findall(r"(?<!\\)\|", row)) == 4, row
+        if s.startswith("rl_"):
+            assert re.search(r"held-out accuracy \*\*[\d.]+% -> [\d.]+%\*\*", md), md
+            assert re.search(r"reward \*\*[\d.]+ -> [\d.]+\*\*", md), md
+            table = md.split("| iteration | reward |")[1].split("\n\n")[0].strip().splitlines()[1:]
+            assert len(table) == 1 + {"rl_1": 2, "rl_2": 1}[s]  # separator, one row each
+            for row in table:
+                assert len(re.findall(r"(?<!\\)\|", row)) == 8, row
     # 11. rejection sampling and the pipeline summary
     rs = arts["rejection-sampling"]["data"]
     assert re.search(r"Kept \*\*\d+\*\* of \*\*\d+\*\*", rs)
     per_prompt = arts["rejection-sampling-by-prompt"]["data"]
     assert "acceptance_rate" in str(per_prompt)
-    summary = arts["r1-pipeline-summary"]["data"]
-    assert f"/#/experiments/{exp.experiment_id}/runs/{pid})" in summary
+    summary = arts["pipeline-summary"]["data"]
+    assert (
+        f"/#/experiments/{exp.experiment_id}/runs/{pid}?workflowType=machine_learning)" in summary
+    )
     assert "compare/grpo-compare.png" in summary and r"| rl\_2 |" in summary
