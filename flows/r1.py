@@ -225,9 +225,11 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             pipeline_stage_key(index, stage, k): v
             for k, v in {**summary_metrics, "wall_time_s": timings[stage]}.items()
         }
-        tracking.log_metrics(parent, numbers)
-        # the stage progression as charts: one step per evaluated stage, in recipe order
+        # the stage progression as charts: one step per evaluated stage, in recipe order; the
+        # parent's first keys, so MLflow's compare view starts on eval/accuracy (its latest
+        # value: the final stage's), not on a number every run shares
         tracking.log_metrics(parent, {f"eval/{k}": v for k, v in summary_metrics.items()}, index)
+        tracking.log_metrics(parent, numbers)
         tracking.log_metrics(
             eval_run, {pipeline_stage_key(index, stage, k): v for k, v in summary_metrics.items()}
         )

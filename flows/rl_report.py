@@ -63,15 +63,18 @@ def model_answer(completion) -> str | None:
 
 def rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
     """Scored completions for the MLflow UI: the best and the worst of groups spread over
-    the file (not its first groups), reward, advantage and answers first, the long text
-    last."""
+    the file (not its first groups); reward, advantage, the expected and the given answer
+    first, then the texts, then the rest."""
     import pyarrow.parquet as pq
 
     names = pq.ParquetFile(scored_path).schema_arrow.names
-    first = ["reward", "advantage", "answer", "finish_reason", "completion_length"]
-    rewards = sorted(c for c in names if c.startswith("reward_"))
-    cols = [c for c in [*first, *rewards, "prompt_id", "prompt_text", "completion"] if c in names]
-    rows = pq.read_table(scored_path, columns=cols).to_pylist()
+    rest = [
+        "finish_reason",
+        "completion_length",
+        *sorted(c for c in names if c.startswith("reward_")),
+    ]
+    cols = ["reward", "advantage", "answer", "completion", "prompt_text", "prompt_id", *rest]
+    rows = pq.read_table(scored_path, columns=[c for c in cols if c in names]).to_pylist()
     groups: dict = {}
     for row in rows:
         groups.setdefault(row.get("prompt_id"), []).append(row)
@@ -81,10 +84,11 @@ def rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
     for key in picked:
         group = sorted(groups[key], key=lambda r: -(r.get("reward") or 0.0))
         for r in group[:1] + group[1:][-1:]:  # the best, and the worst when there are two
-            shown = {k: r[k] for k in cols if k not in ("prompt_id", "prompt_text", "completion")}
+            shown = {k: r.get(k) for k in ("reward", "advantage", "answer")}
             shown["model_answer"] = model_answer(r.get("completion", ""))
-            shown["prompt"] = r.get("prompt_text")
             shown["completion"] = r.get("completion")
+            shown["prompt"] = r.get("prompt_text")
+            shown.update({k: r[k] for k in rest if k in r})
             out.append(shown)
     return out[:n]
 

@@ -88,7 +88,7 @@ def source_tags() -> dict[str, str]:
 # MLflow 3's UI remembers one "workflow type" per browser and starts in GenAI mode (trace
 # overview, "Evaluations" tabs, no model registry in the sidebar) whatever the experiment's
 # kind tag says; a URL that carries ``workflowType=machine_learning`` opens the runs table and
-# the run pages of model training, and switches the browser's remembered mode to it.
+# the run pages of model training (the home page and bare URLs stay in the remembered mode).
 UI_MODE = "workflowType=machine_learning"
 
 

@@ -67,8 +67,14 @@ def test_completion_table_samples_across_groups_answer_first(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), path)
     sample = rollout_sample(str(path), n=8)
     assert len(sample) == 8
-    assert list(sample[0])[:3] == ["reward", "advantage", "answer"]
-    assert list(sample[0])[-2:] == ["prompt", "completion"]
+    assert list(sample[0])[:6] == [
+        "reward",
+        "advantage",
+        "answer",
+        "model_answer",
+        "completion",
+        "prompt",
+    ]
     groups = [s["prompt"] for s in sample]
     assert len(set(groups)) == 4 and groups[-1] != "q1"  # spread over the file, not its start
     assert [s["reward"] for s in sample[:2]] == [1.0, 0.0]  # a group's best and worst
