@@ -79,8 +79,8 @@ class Replica:
         load_options: Mapping | None,
         tokenizer,
     ) -> None:
+        from cluster import storage
         from grpo_core.engines import get_engine
-        from tasks import storage
 
         storage.pull(checkpoint)  # a node without the run folder: from the shared store
         opts = dict(engine_options or {})
@@ -131,8 +131,8 @@ PROBE_TOKENS = 16  # as grpo_core.engines.probe_sync
 def actor_options(group: WorkerGroup) -> dict:
     """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
     driver's value when set, else 1 (a few replicas share a machine's cores), and the run's
-    shared store (tasks/storage.py)."""
-    from tasks import storage
+    shared store (cluster/storage.py)."""
+    from cluster import storage
 
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return {

@@ -100,7 +100,7 @@ def _bundle(cfg: ClusterConfig) -> dict[str, float]:
 def _env(cfg: ClusterConfig) -> dict[str, str]:
     threads = max(1, int(cfg.trainer.num_cpus))
     forwarded = {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}
-    from tasks import storage  # the run's shared store, where ranks pull and publish
+    from cluster import storage  # the run's shared store, where ranks pull and publish
 
     return {**forwarded, **storage.env(), "OMP_NUM_THREADS": str(threads)}
 

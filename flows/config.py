@@ -99,7 +99,7 @@ class SandboxConfig(Section):
 
 
 class StorageConfig(Section):
-    """Where the run folder is shared between machines (tasks/storage.py, docs/cluster.md).
+    """Where the run folder is shared between machines (cluster/storage.py, docs/cluster.md).
     ``output_dir`` stays this machine's working copy."""
 
     url: str | None = Field(
@@ -161,7 +161,7 @@ class PipelineConfig(Section):
 
     def workspace(self) -> Workspace:
         """This run's folder, shared through ``storage.url`` when one is set."""
-        from tasks import storage
+        from cluster import storage
 
         ws = Workspace.create(self.output_dir, self.run_name)
         url = self.storage.url and f"{self.storage.url.rstrip('/')}/{self.run_name}"

@@ -30,7 +30,7 @@ DEFAULTS = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 # Route the project's own loggers through Prefect's handlers, so flow runs show them in the UI.
-FLOW_LOGS = {"PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows"}
+FLOW_LOGS = {"PREFECT_LOGGING_EXTRA_LOGGERS": "grpo_core,tasks,flows,cluster"}
 
 
 def apply_defaults(output_dir: str | Path | None = None, *, flow_logs: bool = True) -> None:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 from prefect import flow
 
+from cluster import storage
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
-from tasks import storage, warm
+from tasks import warm
 from tasks.chart_keys import chart_metrics, iteration_means, step_metrics
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint

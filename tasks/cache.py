@@ -1,8 +1,9 @@
 """Content-addressed stage cache (docs/architecture.md, "Cache keys").
 
 A stage's key is the hash of: its config section, the content hashes of its input files,
-and the code version (a hash of the grpo_core and tasks sources, the code that computes a
-stage's outputs; flows/ only wires stages together and passes every input explicitly, so
+and the code version (a hash of the grpo_core, tasks and cluster sources, the code that
+computes a stage's outputs, cluster/ included: its shard seeds and placement change what
+a Ray run samples; flows/ only wires stages together and passes every input explicitly, so
 editing the CLI or the orchestration does not invalidate finished stages). After a stage
 writes its outputs it records ``{key, result}`` in a manifest beside them; a later run with
 the same key returns the recorded result instead of recomputing, once each output is
@@ -12,7 +13,7 @@ otherwise it is hashed: the same hash -> reused (and the stamp refreshed), anoth
 missing output -> recomputed, with one log line that says why. ``force`` reruns regardless.
 Manifests are written atomically, after the outputs.
 
-With ``storage.url`` set (tasks/storage.py), a record is also uploaded to the shared store
+With ``storage.url`` set (cluster/storage.py), a record is also uploaded to the shared store
 (outputs, then the manifest), and a lookup that finds no manifest here reads the store's and,
 on the same key, downloads the outputs and verifies them as above.
 """
@@ -28,11 +29,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from cluster import storage
 from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256, policy_id
 from grpo_core.io import atomic_path, write_json
-from tasks import storage
 
-_PACKAGES = ("grpo_core", "tasks")
+_PACKAGES = ("grpo_core", "tasks", "cluster")
 RUN_MARKER = ".grpo-run"  # in a run folder's root (tasks/workspace.py)
 _RUN_PATH = "$run_path"
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing

@@ -8,12 +8,13 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import storage
 from grpo_core.checkpoint import policy_id, resolve_model_path
 from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
-from tasks import storage, warm
+from tasks import warm
 from tasks.common import logger
 from tasks.workspace import Workspace
 

@@ -12,11 +12,12 @@ import math
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import storage
 from grpo_core.checkpoint import policy_id, save_checkpoint
 from grpo_core.config import RLConfig
 from grpo_core.old_logprobs import old_logprobs_source
 from grpo_core.rollouts import group_ids, read_metadata_of, read_scored
-from tasks import storage, warm
+from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 from tasks.results import UpdateResult

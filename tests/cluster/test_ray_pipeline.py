@@ -52,7 +52,7 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
-    store = tmp_path / "store"  # storage.url: the run folder also mirrored (tasks/storage.py)
+    store = tmp_path / "store"  # storage.url: the run folder also mirrored (cluster/storage.py)
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0

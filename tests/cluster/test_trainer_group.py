@@ -199,13 +199,12 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
 def test_trainer_ranks_pull_their_inputs_from_the_shared_store(
     ray_trainers, tiny_checkpoint, tmp_path
 ):
-    """``storage.url`` (tasks/storage.py): the policy and the scored rollouts exist only in
+    """``storage.url`` (cluster/storage.py): the policy and the scored rollouts exist only in
     the store (a node that never had them); the ranks download them, rank 0 uploads the
     checkpoint it writes, and the update is the one-process update."""
     import shutil
 
-    from cluster import trainer_group
-    from tasks import storage
+    from cluster import storage, trainer_group
     from tasks.update import run_update, update_from_file
 
     rl = load_config(None, OVERRIDES).rl

@@ -1,4 +1,4 @@
-"""Shared run storage (tasks/storage.py): the run folder mirrored to an fsspec URL, so a
+"""Shared run storage (cluster/storage.py): the run folder mirrored to an fsspec URL, so a
 machine that lacks a finished stage's outputs downloads and verifies them instead of
 recomputing. Stores: ``memory://`` and ``file://`` here, a real S3-compatible server on
 localhost (moto's) with ``s3fs`` for the whole pipeline (tests/pipeline/test_shared_s3.py)."""
@@ -10,7 +10,8 @@ import shutil
 
 import pytest
 
-from tasks import cache, storage
+from cluster import storage
+from tasks import cache
 
 
 @pytest.fixture(params=["memory", "file"])

@@ -174,9 +174,7 @@ class RunStore:
                 return False
         except OSError as e:
             raise StorageError(f"downloading {self.url_of(p)} to {p}: {e}") from e
-        from tasks.common import logger
-
-        logger(__name__).info("pulled %s from %s", p, self.url_of(p))
+        log.info("pulled %s from %s", p, self.url_of(p))  # a flow run's log too (flows/env.py)
         self.mark_synced(p)
         return True
 
