@@ -151,22 +151,12 @@ class PipelineConfig(Section):
             raise ValueError(
                 f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
             )
-        if "sandbox" in self.model_fields_set:
-            # the code rewards of every stage (RL scoring, rejection sampling, evaluation) in
-            # this process and the task processes it starts read it from there
-            from grpo_core.rewards.isolation import ISOLATION_ENV
-
-            os.environ[ISOLATION_ENV] = self.sandbox.isolation
         return self
 
-    def workspace(self) -> Workspace:
-        """This run's folder, shared through ``storage.url`` when one is set."""
-        from cluster import storage
-
-        ws = Workspace.create(self.output_dir, self.run_name)
-        url = self.storage.url and f"{self.storage.url.rstrip('/')}/{self.run_name}"
-        storage.configure(url, ws.root, self.storage.options)
-        return ws
+    def run_folder(self) -> Workspace:
+        """This run's folder (``output_dir/run_name``), named only: flows/run_context.py
+        creates it and points the shared store at it."""
+        return Workspace(Path(self.output_dir) / self.run_name)
 
     def forced(self, stage: str) -> bool:
         return "all" in self.force or stage in self.force

@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from flows.config import load_config
     from flows.env import apply_defaults
+    from flows.run_context import RunContext
 
     cfg = load_config(args.config, args.set)
     apply_defaults(cfg.output_dir)
-    cfg.workspace()  # every rank pulls what its node lacks from storage.url (if set)
+    RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.distributed import process_group
     from tasks.update import update_from_file
 

@@ -17,12 +17,12 @@ import time
 
 from prefect import flow
 
-from cluster import runtime
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.deployments import R1_FLOW
 from flows.lock import acquire_workspace
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
+from flows.run_context import RunContext
 from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, publish_sft_artifact, run_note
 from tasks.chart_keys import pipeline_stage_key
 from tasks.evaluate import evaluate_stage
@@ -78,11 +78,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     """The recipe's body, in the r1-pipeline flow, with the workspace locked."""
     import yaml
 
-    if cfg.torch_threads:
-        import torch
-
-        torch.set_num_threads(cfg.torch_threads)
-    ws = cfg.workspace()
+    ws = RunContext.open(cfg).workspace  # the process's setup for this config, once
     # settings that change results; where outputs and logs go, and what to force, do not
     settings = cfg.model_dump(exclude={"run_name", "output_dir", "tracking", "force", "storage"})
     tracking = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment).start_parent(
@@ -106,7 +102,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         return out
 
     run = cfg.run_name
-    runtime.configure(cfg.cluster)  # where rollouts and scoring run (the prepare task: warm)
     data = timed("prepare", named(prepare, f"{run}/prepare"), cfg.data, cfg.model, cfg.seed, ws)
     common_rl = dict(
         rl_path=data["rl"],

@@ -19,9 +19,8 @@ from pathlib import Path
 
 from prefect import flow
 
-from cluster import runtime
-from flows.config import PipelineConfig, load_config
-from tasks import warm
+from flows.config import load_config
+from flows.run_context import RunContext
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
@@ -30,28 +29,24 @@ from tasks.update import update
 from tasks.workspace import Workspace
 
 
-def _config(config: str | None, overrides: list[str] | None) -> PipelineConfig:
-    cfg = load_config(config, list(overrides or []))
-    warm.configure(cfg.model)  # how policies are loaded (model.dtype, model.lora, ...)
-    runtime.configure(cfg.cluster)  # where rollouts and scoring run (cluster.backend)
-    if cfg.storage.url:  # outputs in the run folder are shared through the store
-        cfg.workspace()
-    return cfg
+def _config(config: str | None, overrides: list[str] | None) -> RunContext:
+    """The stage's config, its process set up for it (flows/run_context.py)."""
+    return RunContext.open(load_config(config, list(overrides or [])))
 
 
 def _tag(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
-def _default_data(cfg: PipelineConfig, split: str) -> str:
+def _default_data(ctx: RunContext, split: str) -> str:
     """The config's own split (the demo's is generated into the workspace, as `grpo run` does)."""
+    cfg = ctx.cfg
     if cfg.data.source == "files":
         path = {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
         plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
         if plain and cfg.data.mapping().identity:
             return path  # else: mapped into the workspace, as `grpo run` does
-    ws = cfg.workspace()
-    return prepare.fn(cfg.data, cfg.model, cfg.seed, ws)[split]
+    return prepare.fn(cfg.data, cfg.model, cfg.seed, ctx.workspace)[split]
 
 
 @flow(name="stage-rollout")
@@ -63,9 +58,10 @@ def rollout_flow(
     config: str | None = None,
     overrides: list[str] | None = None,
 ) -> str:
-    cfg = _config(config, overrides)
-    data = data or _default_data(cfg, "rl")
-    out = out or str(cfg.workspace().offline_rollouts(iteration))
+    ctx = _config(config, overrides)
+    cfg = ctx.cfg
+    data = data or _default_data(ctx, "rl")
+    out = out or str(ctx.workspace.offline_rollouts(iteration))
     res = rollout(
         "offline",
         iteration,
@@ -87,7 +83,7 @@ def score_flow(
     overrides: list[str] | None = None,
 ) -> dict:
     """Re-score a rollouts Parquet with the config's reward mix into a new scored file."""
-    cfg = _config(config, overrides)
+    cfg = _config(config, overrides).cfg
     out = out or str(Workspace.rescored(rollouts, _tag([cfg.rewards, score_options(cfg.rl)])))
     if Path(out).resolve() == Path(rollouts).resolve():
         raise ValueError(f"{out}: scoring never rewrites the rollout file; choose another --out")
@@ -104,9 +100,10 @@ def update_flow(
     overrides: list[str] | None = None,
 ) -> dict:
     """Offline GRPO update of ``policy`` on any scored Parquet; writes a new checkpoint."""
-    cfg = _config(config, overrides)
+    ctx = _config(config, overrides)
+    cfg = ctx.cfg
     knobs = cfg.rl.model_dump()
-    out = out or str(cfg.workspace().offline_update(_tag([scored, policy, knobs])))
+    out = out or str(ctx.workspace.offline_update(_tag([scored, policy, knobs])))
     res = update("offline", 0, policy, scored, out, cfg.rl, reference_checkpoint=policy)
     return {
         "checkpoint": res.checkpoint,
@@ -125,8 +122,9 @@ def eval_flow(
     overrides: list[str] | None = None,
 ) -> dict:
     """Greedy held-out evaluation of a checkpoint; per-example table to Parquet."""
-    cfg = _config(config, overrides)
-    data = data or _default_data(cfg, "eval")
+    ctx = _config(config, overrides)
+    cfg = ctx.cfg
+    data = data or _default_data(ctx, "eval")
     out = out or str(
         Workspace.checkpoint_eval_table(checkpoint, _tag([data, cfg.eval.model_dump()]))
     )

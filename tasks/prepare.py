@@ -14,7 +14,6 @@ from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
-from tasks import warm
 from tasks.common import logger
 from tasks.workspace import Workspace
 
@@ -46,7 +45,6 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
     mapping, template, preset or system prompt), CSV files and ``datasets`` folders are
     written to ``data/<split>.jsonl`` instead."""
     log = logger(__name__)
-    warm.configure(model)  # how this process loads policies (dtype, LoRA, ...)
     out: dict[str, str] = {}
     mapping = data.mapping()
     if data.source in ("demo", "word_problems"):

@@ -20,12 +20,18 @@ def test_setting_names_the_modes():
         PipelineConfig(sandbox={"isolation": "unshare"})
 
 
-def test_setting_reaches_the_code_rewards(monkeypatch):
+def test_setting_reaches_the_code_rewards(monkeypatch, tmp_path):
+    """The run context (flows/run_context.py) hands the setting to the code rewards of this
+    process and of those it starts; loading a config alone changes nothing."""
+    from flows.run_context import RunContext
+
     monkeypatch.setenv(ISOLATION_ENV, "auto")  # restored (to unset) after the test
     monkeypatch.delenv(ISOLATION_ENV)
-    PipelineConfig()  # not set: the environment (or auto) decides
+    RunContext.open(PipelineConfig(output_dir=str(tmp_path)))  # not set: env (or auto) decides
     assert isolation.requested_isolation() == "auto"
-    PipelineConfig(sandbox={"isolation": "none"})
+    cfg = PipelineConfig(sandbox={"isolation": "none"}, output_dir=str(tmp_path))
+    assert isolation.requested_isolation() == "auto"
+    RunContext.open(cfg)
     assert isolation.requested_isolation() == "none"
     assert rewards.sandbox_params({"code_tests": 1.0}) == {
         "isolation": "none",
