@@ -4,7 +4,9 @@
 came from the stage cache is ``cached``, never a metric. The cache (tasks/cache.py) records
 each result as JSON and rebuilds the same type on a hit. A field marked ``NOT_RECORDED``
 (the MLflow run id, set after the cached call with ``dataclasses.replace``) is left out of
-the record, so a hit never replays another run's id.
+the record, so a hit never replays another run's id. The scoring and SFT records are named
+``ScoreOutcome`` and ``SFTOutcome``, apart from grpo_core's ``ScoreResult`` (one batch's
+scores) and ``SFTResult`` (the training loop's history), which they summarise.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class RolloutResult:
 
 
 @dataclass(frozen=True)
-class ScoreResult:
+class ScoreOutcome:
     path: str  # the scored Parquet
     metrics: dict[str, float]  # reward, reward_std, rewards/<fn>/*, frac_reward_zero_std, ...
     cached: bool = False
@@ -40,7 +42,7 @@ class UpdateResult:
 
 
 @dataclass(frozen=True)
-class SFTResult:
+class SFTOutcome:
     checkpoint: str  # the trained policy
     steps: int  # optimizer steps taken
     final_loss: float  # training loss of the last step

@@ -24,7 +24,7 @@ from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
-from tasks.results import ScoreResult
+from tasks.results import ScoreOutcome
 
 OVERLONG = "overlong_penalty"
 
@@ -43,7 +43,7 @@ def score_file(
     max_error_rate: float = 1.0,
     label: str | None = None,
     sandbox_isolation: str | None = None,
-) -> ScoreResult:
+) -> ScoreOutcome:
     """Score every completion of ``rollouts_path``; returns path and TRL-named metrics.
 
     ``reward`` is the weighted sum of the reward functions (null where every function gave
@@ -131,7 +131,7 @@ def score_file(
     n_err = sum(e is not None for errs in result.errors.values() for e in errs)
     if n_err:
         logger(__name__).warning("%s: %d reward errors (see error_<fn> columns)", out_path, n_err)
-    return ScoreResult(out_path, metrics)
+    return ScoreOutcome(out_path, metrics)
 
 
 def reward_functions(
@@ -190,11 +190,11 @@ def score(
     weights: dict[str, float],
     rl: RLConfig,
     force: bool = False,
-) -> ScoreResult:
+) -> ScoreOutcome:
     opts = score_options(rl)
     key = stage_key("score", {"rewards": weights, **opts}, [rollouts_path])
 
-    def compute() -> ScoreResult:
+    def compute() -> ScoreOutcome:
         out = score_file(
             rollouts_path,
             out_path,

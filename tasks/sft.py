@@ -21,7 +21,7 @@ from grpo_core.data import load_rows
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
-from tasks.results import SFTResult
+from tasks.results import SFTOutcome
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
 
@@ -39,7 +39,7 @@ def train_stage(
     on_step=None,
     on_resume=None,
     resume_key: str = "",
-) -> SFTResult:
+) -> SFTOutcome:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
 
     With ``cfg.checkpoint_every`` > 0 the state is saved every K steps beside the output
@@ -117,7 +117,7 @@ def train_stage(
         mem.gib,
         " (dev target reached)" if result.stopped_early else "",
     )
-    return SFTResult(
+    return SFTOutcome(
         checkpoint=str(out_checkpoint),
         steps=result.steps,
         final_loss=result.final_loss,
@@ -142,7 +142,7 @@ def sft_stage(
     max_completion_length: int = 48,
     seed: int = 0,
     force: bool = False,
-) -> SFTResult:
+) -> SFTOutcome:
     # checkpoint_every changes where training can resume from, not its result
     knobs = cfg.model_dump(exclude={"checkpoint_every"})
     settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}

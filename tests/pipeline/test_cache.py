@@ -16,7 +16,7 @@ from grpo_core.io import write_jsonl
 from tasks import cache
 from tasks import score as score_module
 from tasks.evaluate import evaluate_checkpoint
-from tasks.results import EvalOutcome, SFTResult
+from tasks.results import EvalOutcome, SFTOutcome
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
@@ -223,14 +223,14 @@ def test_sft_stage_cache_records_a_cached_child_run(tiny_checkpoint, tmp_path, t
     out_dir = str(tmp_path / "sft")
     first = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
     second = sft_stage.fn("cold_start_sft", str(tiny_checkpoint), data, out_dir, cfg, tracking)
-    assert isinstance(second, SFTResult)
+    assert isinstance(second, SFTOutcome)
     assert (first.cached, second.cached) == (False, True)
     assert dataclasses.replace(second, run_id=None, cached=False) == dataclasses.replace(
         first, run_id=None
     )
     assert second.run_id != first.run_id  # each call has its own child run
     record = json.loads(cache.manifest_path(out_dir).read_text())["result"]
-    assert record["type"] == "SFTResult" and not {"run_id", "cached"} & set(record)
+    assert record["type"] == "SFTOutcome" and not {"run_id", "cached"} & set(record)
     run = MlflowClient(tracking_uri).get_run(second.run_id)
     assert run.data.tags["cached"] == "true" and run.data.metrics["steps"] == 5
     assert "cached" not in run.data.metrics

@@ -24,7 +24,7 @@ from grpo_core.text import encode_prompt, prompt_text
 from tasks import warm
 from tasks.evaluate import evaluate_stage
 from tasks.rejection import rejection_sampling
-from tasks.results import EvalOutcome, RejectionResult, SFTResult
+from tasks.results import EvalOutcome, RejectionResult, SFTOutcome
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
@@ -55,7 +55,7 @@ def test_sft_task_writes_checkpoint_and_child_run(tiny_checkpoint, data, tmp_pat
         SFTConfig(max_steps=12, batch_size=8, eval_every=5),
         tracking,
     )
-    assert isinstance(out, SFTResult) and out.steps == 12 and not out.cached
+    assert isinstance(out, SFTOutcome) and out.steps == 12 and not out.cached
     assert policy_id(out.checkpoint) != policy_id(tiny_checkpoint)
     assert out.policy_id == policy_id(out.checkpoint) and out.train_examples == 32
     run = MlflowClient(tracking.uri).get_run(out.run_id)
