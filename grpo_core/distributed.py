@@ -10,7 +10,7 @@ What makes N processes give the update of one (``grpo_core.update.grpo_update`` 
 - each micro-batch's loss is divided by the normaliser of the *global* micro-batch (one
   all-reduce of the per-micro-batch token and sequence counts): ``dapo`` the whole generation
   batch's tokens, ``bnpo`` the micro-batch's tokens, ``grpo``/``dr_grpo`` its sequences, as
-  ``grpo_core.losses.micro_batch_normaliser``. A rank's loss is then its share of the sum, and
+  ``grpo_core.losses.step_normalisers``. A rank's loss is then its share of the sum, and
   the SUM of the ranks' gradients is the one-process gradient;
 - gradients are summed once per optimizer step (as DDP under ``no_sync`` over the accumulation
   window), in flat buckets; clipping and the optimizer step then run on identical gradients on
@@ -79,30 +79,14 @@ class DataParallel:
         local = [torch.arange(bounds[j], bounds[j + 1]) for j in range(len(mine))]
         return batch.slice(rows), local
 
-    def normalisers(
-        self, loss_type: str, masks: list[Tensor], accumulation: int
-    ) -> list[Tensor | int]:
-        """Each micro-batch's ``num_items_in_batch`` over the global micro-batch (the
-        all-reduced counts), the values ``micro_batch_normaliser`` gives one process."""
-        counts = torch.tensor(
-            [[float(m.sum()), float(m.shape[0])] for m in masks], dtype=torch.float64
-        ).reshape(-1, 2)  # [J, 2]: tokens, sequences of this rank's share
-        counts = counts.to(self.device)
+    def all_reduce_counts(self, tokens: Tensor, rows: list[int]) -> tuple[Tensor, list[int]]:
+        """The global micro-batches' completion tokens and sequences from this rank's share
+        (summed over the ranks), for ``grpo_core.losses.step_normalisers``."""
+        counts = torch.stack([tokens.double(), torch.tensor(rows, dtype=torch.float64)], 1)
+        counts = counts.reshape(-1, 2).to(self.device)  # [J, 2]: tokens, sequences
         dist.all_reduce(counts, group=self.group)
         counts = counts.cpu()
-        tokens = counts[:, 0].to(torch.float32)  # [J]
-        rows = [int(r) for r in counts[:, 1].tolist()]
-        if loss_type == "dapo":
-            # the generation batch's tokens x accumulation / micro-batches, as one process
-            total = (tokens.sum() * accumulation / len(masks)).clamp(min=1.0)
-            return [total for _ in masks]
-        if loss_type == "bnpo":
-            return [t.clamp(min=1.0) * accumulation for t in tokens]
-        if loss_type in ("grpo", "dr_grpo"):
-            return [r * accumulation for r in rows]
-        raise ValueError(
-            f"no normaliser for loss_type {loss_type!r}; expected dapo, bnpo, grpo or dr_grpo"
-        )
+        return counts[:, 0].to(torch.float32), [int(r) for r in counts[:, 1].tolist()]
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
         """Sum the ranks' gradients in place. A parameter that got a gradient on some rank gets

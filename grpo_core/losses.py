@@ -17,7 +17,7 @@ Reading order follows the objective of DeepSeekMath (Shao et al., 2024, arXiv:24
 
 Normalisers: ``num_items_in_batch`` overrides what an aggregation divides by (tokens for
 ``dapo``/``bnpo``, sequences for ``grpo``/``dr_grpo``); without it, the micro-batch is the
-whole batch. :func:`micro_batch_normaliser` gives TRL's choice for each ``loss_type`` under
+whole batch. :func:`step_normalisers` gives TRL's choice for each ``loss_type`` under
 gradient accumulation, which ``grpo_core.update`` uses: ``dapo`` divides every micro-batch by
 the completion tokens of the *whole generation batch*; ``bnpo``, ``grpo`` and ``dr_grpo``
 divide the micro-batch's own mean by the number of accumulated micro-batches.
@@ -135,32 +135,53 @@ def agg_dr_grpo(
     return (per_token * mask).sum() / (n * max_completion_length)
 
 
-def micro_batch_normaliser(
-    loss_type: str,
-    mask: Tensor,
-    generation_batch_tokens: Tensor | float,
-    accumulation: int,
-    micro_batches: int = 1,
-) -> Tensor | float:
-    """What TRL's ``GRPOTrainer._compute_loss`` (TRL 1.16) divides one micro-batch's loss by
-    (``mask[n, T]``), for a generation batch of ``generation_batch_tokens`` completion tokens
-    split into ``micro_batches`` micro-batches, ``accumulation`` of them per optimizer step:
+NormaliserFn = Callable[[Tensor, list[int], int], list]
+# loss_type -> what one optimizer step's micro-batches are divided by, from their counts
+LOSS_NORMALISERS: Registry[NormaliserFn] = Registry("loss_type normaliser")
 
-    - ``dapo``: the generation batch's tokens x ``accumulation / micro_batches``, i.e. the
-      tokens of one optimizer step's share of the batch, so each optimizer step is a token mean
-      over its accumulation window (TRL rescales ``num_items_in_batch`` the same way);
+
+@LOSS_NORMALISERS.register("dapo")
+def _norm_dapo(tokens: Tensor, rows: list[int], accumulation: int) -> list:
+    # the generation batch's tokens x accumulation / micro-batches: one optimizer step's
+    # share of the batch, so each step is a token mean over its accumulation window
+    total = (tokens.sum() * accumulation / len(rows)).clamp(min=1.0)
+    return [total for _ in rows]
+
+
+@LOSS_NORMALISERS.register("bnpo")
+def _norm_bnpo(tokens: Tensor, rows: list[int], accumulation: int) -> list:
+    return [t.clamp(min=1.0) * accumulation for t in tokens]  # the micro-batch's tokens
+
+
+@LOSS_NORMALISERS.register("grpo")
+@LOSS_NORMALISERS.register("dr_grpo")
+def _norm_sequences(tokens: Tensor, rows: list[int], accumulation: int) -> list:
+    return [r * accumulation for r in rows]  # the micro-batch's sequences
+
+
+def step_normalisers(
+    loss_type: str, tokens: Tensor, rows: list[int], accumulation: int
+) -> list[Tensor | int]:
+    """What TRL's ``GRPOTrainer._compute_loss`` (TRL 1.16) divides each micro-batch's loss by,
+    for a generation batch split into micro-batches of ``tokens[j]`` completion tokens and
+    ``rows[j]`` sequences, ``accumulation`` of them per optimizer step (the registered
+    normaliser of ``loss_type``, beside its aggregation):
+
+    - ``dapo``: the generation batch's tokens x ``accumulation / micro_batches`` (TRL rescales
+      ``num_items_in_batch`` the same way);
     - ``bnpo``: the micro-batch's tokens x ``accumulation``;
     - ``grpo``, ``dr_grpo``: the micro-batch's sequences x ``accumulation``.
-    """
-    if loss_type == "dapo":
-        tokens = torch.as_tensor(generation_batch_tokens, dtype=mask.dtype)
-        return (tokens * accumulation / micro_batches).clamp(min=1.0)
-    if loss_type == "bnpo":
-        return mask.sum().clamp(min=1.0) * accumulation
-    if loss_type in ("grpo", "dr_grpo"):
-        return mask.shape[0] * accumulation
+
+    One process counts its micro-batches; data-parallel ranks all-reduce their counts first
+    (grpo_core/distributed.py), so both get the same values."""
     LOSS_AGGREGATIONS.get(loss_type)  # raises, listing the valid names
-    raise ValueError(f"no normaliser for loss_type {loss_type!r}")
+    return LOSS_NORMALISERS.get(loss_type)(tokens, rows, accumulation)
+
+
+def micro_batch_counts(masks: list[Tensor]) -> tuple[Tensor, list[int]]:
+    """Completion tokens ``[J]`` (the masks' dtype) and sequences of micro-batches ``masks``."""
+    tokens = torch.stack([m.sum() for m in masks]) if masks else torch.zeros(0)
+    return tokens, [int(m.shape[0]) for m in masks]
 
 
 def sequence_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ from grpo_core.batch_logprobs import (
 from grpo_core.distributed import DataParallel
 from grpo_core.importance import engine_importance_weights, needs_old_logprobs
 from grpo_core.loss_config import UpdateConfig
-from grpo_core.losses import micro_batch_normaliser, policy_loss
+from grpo_core.losses import micro_batch_counts, policy_loss, step_normalisers
 from grpo_core.precision import Precision
 from grpo_core.sampling_filters import top_entropy_mask
 from grpo_core.step_metrics import combine
@@ -150,7 +150,7 @@ def grpo_update(
     micro-batches of whole groups (rows are group-contiguous: the rollout stage writes
     prompt-major order), ``num_iterations`` passes, an optimizer step every
     ``gradient_accumulation_steps`` micro-batches. Each micro-batch's loss is divided as TRL
-    does (:func:`grpo_core.losses.micro_batch_normaliser`). ``config.engine_correction``
+    does (:func:`grpo_core.losses.step_normalisers`). ``config.engine_correction``
     reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``.
     ``data_parallel``: this rank of N, each holding the whole ``batch`` and a replica of the
     model; it trains its share of every micro-batch's groups and the N ranks make the update
@@ -168,20 +168,14 @@ def grpo_update(
     dp = data_parallel
     if dp is not None and cfg.entropy_of_skipped_rows:  # not in the ranks' forward plan:
         cfg = dataclasses.replace(cfg, entropy_of_skipped_rows=False)  # entropy/trained_rows
-    if dp is None:
-        batch_tokens = batch.completion_mask.sum()  # dapo: the generation batch's tokens
-        norms = [
-            micro_batch_normaliser(
-                loss_cfg.loss_type, batch.completion_mask[i], batch_tokens, accumulation, micro
-            )
-            for i in slices
-        ]
-    else:
+    if dp is not None:
         if cfg.top_entropy_quantile < 1.0:
             raise ValueError("top_entropy_quantile < 1 is not supported with data_parallel")
         batch, slices = dp.shard(batch, slices)  # this rank's rows only from here on
-        masks = [batch.completion_mask[i] for i in slices]
-        norms = dp.normalisers(loss_cfg.loss_type, masks, accumulation)
+    tokens, rows = micro_batch_counts([batch.completion_mask[i] for i in slices])
+    if dp is not None:  # the global micro-batches' counts: the values of one process
+        tokens, rows = dp.all_reduce_counts(tokens, rows)
+    norms = step_normalisers(loss_cfg.loss_type, tokens, rows, accumulation)
     if cfg.disable_dropout:
         disable_dropout(model)
         if ref_model is not None:
