@@ -112,20 +112,15 @@ class Replica:
         return out
 
     def _greedy(self, probe: list[int]) -> list[int]:
-        from grpo_core.generation import SamplingParams
+        from grpo_core.engines import engine_probe
 
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=PROBE_TOKENS)
-        (s,) = self.engine.generate([probe], params, desc="probe", progress=False)
-        return s.completion_ids
+        return engine_probe(self.engine, probe)
 
     def current_policy(self) -> str:
         return self.policy_id
 
     def pid(self) -> int:
         return os.getpid()
-
-
-PROBE_TOKENS = 16  # as grpo_core.engines.probe_sync
 
 
 def actor_options(group: WorkerGroup) -> dict:
@@ -184,24 +179,14 @@ class RolloutGroup:
         if not stale:
             return
         from grpo_core import lora
-        from grpo_core.engines import WeightSyncError, default_probe
-        from grpo_core.generation import SamplingParams, generate
+        from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
 
         state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
         ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
         probe = expected = None
         if check:
             probe = default_probe(tokenizer)
-            params = SamplingParams(n=1, temperature=0.0, max_new_tokens=PROBE_TOKENS)
-            (s,) = generate(
-                model,
-                [probe],
-                params,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_ids=tokenizer.eos_token_id,
-                progress=False,
-            )
-            expected = s.completion_ids
+            expected = trainer_probe(model, tokenizer, probe)  # as grpo_core.engines.probe_sync
         calls = {i: self.actors[i].load_weights.remote(ref, policy_id, probe) for i in stale}
         for i, call in calls.items():
             try:

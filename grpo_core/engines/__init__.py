@@ -119,13 +119,54 @@ class SyncCheck:
     trainer_ids: list[int]
 
 
+PROBE_TOKENS = 16  # greedy steps of the weight-sync probe
+
+
+def greedy_probe(
+    generate_fn, probe_ids: list[int], max_new_tokens: int = PROBE_TOKENS
+) -> list[int]:
+    """The greedy completion of ``probe_ids`` by ``generate_fn(prompts, params)`` (an engine's
+    ``generate``, or the trainer model's): the one probe both sides of a sync run."""
+    from grpo_core.generation import SamplingParams
+
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
+    (sample,) = generate_fn([probe_ids], params)
+    return sample.completion_ids
+
+
+def trainer_probe(model, tokenizer, probe_ids: list[int], max_new_tokens: int = PROBE_TOKENS):
+    """What the trainer's ``model`` answers to the probe (the reference of a sync check)."""
+    from grpo_core.generation import generate
+
+    def run(prompts, params):
+        return generate(
+            model,
+            prompts,
+            params,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=tokenizer.eos_token_id,
+            progress=False,
+        )
+
+    return greedy_probe(run, probe_ids, max_new_tokens)
+
+
+def engine_probe(engine, probe_ids: list[int], max_new_tokens: int = PROBE_TOKENS):
+    """What ``engine`` answers to the probe (in its process: a Ray replica calls it too)."""
+
+    def run(prompts, params):
+        return engine.generate(prompts, params, desc="probe", progress=False)
+
+    return greedy_probe(run, probe_ids, max_new_tokens)
+
+
 def probe_sync(
     engine: RolloutEngine,
     model: torch.nn.Module,
     tokenizer,
     *,
     probe_ids: list[int] | None = None,
-    max_new_tokens: int = 16,
+    max_new_tokens: int = PROBE_TOKENS,
 ) -> SyncCheck:
     """Check a weight sync: the engine's greedy completion of a fixed probe prompt must
     equal the trainer model's (same tokens). Cheap: one prompt, ``max_new_tokens`` steps.
@@ -133,23 +174,11 @@ def probe_sync(
     Exact equality holds when both run in the same dtype; a bf16 engine against an fp32
     trainer can part ways at a near-tie, so compare at the engine's dtype there.
     """
-    from grpo_core.generation import SamplingParams, generate
-
     if probe_ids is None:
         probe_ids = default_probe(tokenizer)
-    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    (ours,) = engine.generate([probe_ids], params, desc="probe", progress=False)
-    (ref,) = generate(
-        model,
-        [probe_ids],
-        params,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=tokenizer.eos_token_id,
-        progress=False,
-    )
-    return SyncCheck(
-        ours.completion_ids == ref.completion_ids, ours.completion_ids, ref.completion_ids
-    )
+    ours = engine_probe(engine, probe_ids, max_new_tokens)
+    ref = trainer_probe(model, tokenizer, probe_ids, max_new_tokens)
+    return SyncCheck(ours == ref, ours, ref)
 
 
 def default_probe(tokenizer) -> list[int]:
@@ -275,6 +304,8 @@ __all__ = [
     "WarmEngines",
     "WeightSyncError",
     "default_probe",
+    "engine_probe",
+    "trainer_probe",
     "get_engine",
     "probe_sync",
     "sync_weights",
