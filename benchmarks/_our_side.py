@@ -130,15 +130,15 @@ def run_rl(args) -> None:
     rss = peak_rss_mib()
     client = tracking.client
     parts = {
-        name: sum(m.value for m in client.get_metric_history(out["run_id"], key))
+        name: sum(m.value for m in client.get_metric_history(out.run_id, key))
         for name, key in TIMING_KEYS.items()
     }
-    evals = sum(m.value for m in client.get_metric_history(out["run_id"], "train/timing/eval_s"))
-    lengths = client.get_metric_history(out["run_id"], "train/completions/mean_length")
+    evals = sum(m.value for m in client.get_metric_history(out.run_id, "train/timing/eval_s"))
+    lengths = client.get_metric_history(out.run_id, "train/completions/mean_length")
     per_iter = cfg.rl.prompts_per_iteration * cfg.rl.num_generations
     tokens = sum(m.value for m in lengths) * per_iter
     tracking.end(tracking.parent_run_id)
-    acc = heldout_accuracy(out["checkpoint"], None, cfg, start["eval"])
+    acc = heldout_accuracy(out.checkpoint, None, cfg, start["eval"])
     write_result(
         args.out,
         {
@@ -152,7 +152,7 @@ def run_rl(args) -> None:
             "eval_s": evals,  # the stage's held-out evals (rl.eval_every), part of other_s
             "completion_tokens": tokens,
             "trained_tokens": tokens,
-            "optimizer_steps": out["global_step"],
+            "optimizer_steps": out.global_step,
             "peak_rss_mib": rss,
             **acc,
         },

@@ -141,7 +141,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         **common_rl,
         force=cfg.forced("rl_1"),
     )
-    ckpts["rl_1"] = rl1["checkpoint"]
+    ckpts["rl_1"] = rl1.checkpoint
 
     rs = timed(
         "rejection_sampling",
@@ -182,7 +182,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         **common_rl,
         force=cfg.forced("rl_2"),
     )
-    ckpts["rl_2"] = rl2["checkpoint"]
+    ckpts["rl_2"] = rl2.checkpoint
 
     # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
     t0 = time.perf_counter()
@@ -190,18 +190,18 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     results: dict[str, EvalOutcome] = {}
     stage_runs = {
         "cold_start_sft": sft.run_id,
-        "rl_1": rl1["run_id"],
+        "rl_1": rl1.run_id,
         "re_sft": re.run_id,
-        "rl_2": rl2["run_id"],
+        "rl_2": rl2.run_id,
     }
     # an RL stage's last in-loop eval is this evaluation of its final weights, and its start
     # eval that of the stage before
     sft_steps = {"cold_start_sft": sft.steps, "re_sft": re.steps}
     same_as = {
-        "cold_start_sft": rl1.get("start_eval_table"),
-        "rl_1": rl1.get("eval_table"),
-        "re_sft": rl2.get("start_eval_table"),
-        "rl_2": rl2.get("eval_table"),
+        "cold_start_sft": rl1.start_eval_table,
+        "rl_1": rl1.eval_table,
+        "re_sft": rl2.start_eval_table,
+        "rl_2": rl2.eval_table,
     }
     for index, stage in enumerate(CHECKPOINT_STAGES):
         ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
@@ -273,7 +273,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         "timings": timings,
         "total_time_s": time.perf_counter() - t_start,
     }
-    if rl2["cached_iterations"] < cfg.rl_2_config().iterations or cfg.forced("rl_2"):
+    if rl2.cached_iterations < cfg.rl_2_config().iterations or cfg.forced("rl_2"):
         mv = register_final_checkpoint(
             cfg.tracking.uri,
             parent,

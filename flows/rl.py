@@ -29,6 +29,7 @@ from tasks import warm
 from tasks.chart_keys import chart_metrics, iteration_means, step_metrics
 from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
+from tasks.results import RLStageOutcome
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.tracking import Tracking
@@ -55,7 +56,7 @@ def rl_stage(
     engine: dict | None = None,
     eval_engine: dict | None = None,
     force: bool = False,
-) -> dict:
+) -> RLStageOutcome:
     log = logger(__name__)
     knobs = rl.model_dump()
     config = {**knobs, "rewards": weights, "seed": seed, "engine": engine}
@@ -193,16 +194,16 @@ def rl_stage(
     tracking.log_json(run_id, evals, "eval_history.json")
     report.publish(tracking, run_id, wall)
     tracking.end(run_id)
-    return {
-        "checkpoint": str(final),
-        "run_id": run_id,
-        "global_step": step,
-        "wall_time_s": wall,
-        "evals": evals,
-        "eval_table": last_table,
-        "start_eval_table": start_eval and start_eval.table,
-        "cached_iterations": reused,
-    }
+    return RLStageOutcome(
+        checkpoint=str(final),
+        run_id=run_id,
+        global_step=step,
+        wall_time_s=wall,
+        evals=evals,
+        eval_table=last_table,
+        start_eval_table=start_eval and start_eval.table,
+        cached_iterations=reused,
+    )
 
 
 def named(call, name: str):

@@ -98,3 +98,17 @@ class RejectionResult:
     metrics: dict[str, float]
     run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
     cached: bool = False
+
+
+@dataclass(frozen=True)
+class RLStageOutcome:
+    """What an RL stage (flows/rl.py, a subflow) hands to the recipe."""
+
+    checkpoint: str  # the stage's final policy (checkpoints/<stage>)
+    run_id: str  # the stage's MLflow run
+    global_step: int  # optimizer steps of the stage
+    wall_time_s: float
+    evals: list[dict[str, Any]]  # each held-out eval: iterations_done, step, its metrics
+    eval_table: str | None  # the last in-loop eval's table (of the final weights)
+    start_eval_table: str | None  # the starting checkpoint's (rl.eval_on_start), or None
+    cached_iterations: int  # iterations reused from the stage cache
