@@ -208,6 +208,8 @@ def register_final_checkpoint(
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    from tasks.mlflow_store import Shielded
+
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").exists():
         raise FileNotFoundError(
@@ -215,7 +217,8 @@ def register_final_checkpoint(
         )
     if not any(checkpoint_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors weights to register")
-    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    # as every tracking call: a sqlite store's write is not cut by Ctrl-C (tasks/mlflow_store.py)
+    client = Shielded(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri))
     run = client.get_run(parent_run_id)
     name = model_name or client.get_experiment(run.info.experiment_id).name
     flat = _flatten(stage_metrics)
