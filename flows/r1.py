@@ -19,33 +19,19 @@ from prefect import flow
 
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.deployments import R1_FLOW
+from flows.final_eval import FinalEvalInputs, final_evaluation
 from flows.lock import acquire_workspace
 from flows.registry import register_final_checkpoint
 from flows.rl import rl_stage
 from flows.run_context import RunContext
+from flows.run_names import named
 from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, publish_sft_artifact, run_note
-from tasks.chart_keys import pipeline_stage_key
-from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rejection import rejection_sampling
-from tasks.results import EvalOutcome
 from tasks.run_states import end_open_runs
 from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
-
-
-def named(call, name: str):
-    """``call`` (a Prefect task or flow) whose run is named ``name`` (``demo/rl_1``)."""
-    if hasattr(call, "flow_run_name"):
-        return call.with_options(flow_run_name=lambda: name)
-    return call.with_options(task_run_name=lambda: name)
-
-
-def _table_rows(path: str | None) -> list[dict]:
-    import pyarrow.parquet as pq
-
-    return pq.read_table(path).to_pylist() if path else []
 
 
 def _end_tracking(flow, flow_run, state) -> None:
@@ -186,65 +172,31 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
     # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
     t0 = time.perf_counter()
-    eval_run = tracking.start_child("final_evaluation", config=cfg.eval.model_dump())
-    results: dict[str, EvalOutcome] = {}
-    stage_runs = {
-        "cold_start_sft": sft.run_id,
-        "rl_1": rl1.run_id,
-        "re_sft": re.run_id,
-        "rl_2": rl2.run_id,
-    }
-    # an RL stage's last in-loop eval is this evaluation of its final weights, and its start
-    # eval that of the stage before
-    sft_steps = {"cold_start_sft": sft.steps, "re_sft": re.steps}
-    same_as = {
-        "cold_start_sft": rl1.start_eval_table,
-        "rl_1": rl1.eval_table,
-        "re_sft": rl2.start_eval_table,
-        "rl_2": rl2.eval_table,
-    }
-    for index, stage in enumerate(CHECKPOINT_STAGES):
-        ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
-            stage,
-            ckpts[stage],
-            data["eval"],
-            cfg.eval,
-            str(ws.eval_table(stage)),
-            force=cfg.forced("final_evaluation"),
-            engine=cfg.rollout.engine_spec(cfg.eval.engine),
-            same_as=same_as.get(stage),
-        )
-        results[stage] = ev
-        summary_metrics = ev.summary_metrics()
-        numbers = {
-            pipeline_stage_key(index, stage, k): v
-            for k, v in {**summary_metrics, "wall_time_s": timings[stage]}.items()
-        }
-        # the stage progression as charts: one step per evaluated stage, in recipe order; the
-        # parent's first keys, so MLflow's compare view starts on eval/accuracy (its latest
-        # value: the final stage's), not on a number every run shares
-        tracking.log_metrics(parent, {f"eval/{k}": v for k, v in summary_metrics.items()}, index)
-        tracking.log_metrics(parent, numbers)
-        tracking.log_metrics(
-            eval_run, {pipeline_stage_key(index, stage, k): v for k, v in summary_metrics.items()}
-        )
-        tracking.log_artifact(eval_run, ev.table, "eval_tables")  # Parquet: pandas / DuckDB
-        tracking.log_table(eval_run, _table_rows(ev.table), f"eval_tables/{stage}.json")
-        # the stage's own run gets its final held-out numbers, table and sample completions
-        if stage in sft_steps:  # an RL stage's curve ends with this eval (same_as)
-            tracking.log_metrics(
-                stage_runs[stage],
-                {f"eval/{k}": v for k, v in summary_metrics.items()},
-                sft_steps[stage],
-            )
-        tracking.log_artifact(stage_runs[stage], ev.table, "eval")
-        tracking.log_table(stage_runs[stage], ev.samples, "eval/samples.json")
-    tracking.log_table(
-        eval_run,
-        [{"stage": s, **r} for s in CHECKPOINT_STAGES for r in results[s].samples],
-        "eval_samples.json",
+    results = final_evaluation(
+        cfg,
+        ws,
+        tracking,
+        data["eval"],
+        ckpts,
+        FinalEvalInputs(
+            stage_runs={
+                "cold_start_sft": sft.run_id,
+                "rl_1": rl1.run_id,
+                "re_sft": re.run_id,
+                "rl_2": rl2.run_id,
+            },
+            # an RL stage's last in-loop eval is this evaluation of its final weights, and its
+            # start eval that of the stage before
+            same_as={
+                "cold_start_sft": rl1.start_eval_table,
+                "rl_1": rl1.eval_table,
+                "re_sft": rl2.start_eval_table,
+                "rl_2": rl2.eval_table,
+            },
+            sft_steps={"cold_start_sft": sft.steps, "re_sft": re.steps},
+            wall_times=timings,
+        ),
     )
-    tracking.end(eval_run)
     timings["final_evaluation"] = time.perf_counter() - t0
 
     rows = [

@@ -21,6 +21,7 @@ from prefect import flow
 
 from cluster import storage
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
+from flows.run_names import named
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
@@ -204,11 +205,6 @@ def rl_stage(
         start_eval_table=start_eval and start_eval.table,
         cached_iterations=reused,
     )
-
-
-def named(call, name: str):
-    """A Prefect task whose run is named ``name`` (``demo/rl_1/rollout-0``)."""
-    return call.with_options(task_run_name=lambda: name)
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:
