@@ -59,16 +59,8 @@ def rl_stage(
     force: bool = False,
 ) -> RLStageOutcome:
     log = logger(__name__)
-    knobs = rl.model_dump()
-    config = {**knobs, "rewards": weights, "seed": seed, "engine": engine}
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
-    sandbox = rewards.sandbox_params(weights)  # the code sandbox's isolation, resolved now
-    tracking.log_params(run_id, {**knobs, "rewards": weights, "sandbox": sandbox})
-    tracking.log_json(
-        run_id,
-        {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},
-        "stage_config.json",
-    )
+    config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
+    run_id = _start_run(tracking, stage, init_checkpoint, rl, weights, config)
     total_steps = rl.total_optimizer_steps
     policy, step, t0 = init_checkpoint, 0, time.perf_counter()
     evals: list[dict] = []
@@ -174,12 +166,7 @@ def rl_stage(
             )
         if not it_cached:  # live curves while training; replayed history goes in one call
             metrics.flush_every(METRICS_FLUSH_S)
-    final = ws.checkpoint(stage)
-    if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
-        with atomic_path(final) as tmp:
-            link_tree(policy, tmp)  # hard links: the iteration's files are never rewritten
-        storage.publish(final)
-    warm.relabel(final)  # same weights as the last iteration's checkpoint
+    final = _final_checkpoint(ws.checkpoint(stage), policy)
     stage_tags = {
         "policy_id": policy_id(final),
         "cached": str(reused == rl.iterations).lower(),
@@ -205,6 +192,31 @@ def rl_stage(
         start_eval_table=start_eval and start_eval.table,
         cached_iterations=reused,
     )
+
+
+def _start_run(tracking, stage, init_checkpoint, rl, weights, config) -> str:
+    """The stage's MLflow run, with its settings as parameters and ``stage_config.json``."""
+    knobs = rl.model_dump()
+    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
+    sandbox = rewards.sandbox_params(weights)  # the code sandbox's isolation, resolved now
+    tracking.log_params(run_id, {**knobs, "rewards": weights, "sandbox": sandbox})
+    tracking.log_json(
+        run_id,
+        {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},
+        "stage_config.json",
+    )
+    return run_id
+
+
+def _final_checkpoint(final: Path, policy: str) -> Path:
+    """``checkpoints/<stage>``: the last iteration's weights, hard-linked (its files are never
+    rewritten), shared through the store, and known to the warm cache by its new path."""
+    if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
+        with atomic_path(final) as tmp:
+            link_tree(policy, tmp)
+        storage.publish(final)
+    warm.relabel(final)  # same weights as the last iteration's checkpoint
+    return final
 
 
 def _prune(ws: Workspace, stage: str, it: int) -> None:
