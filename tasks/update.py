@@ -54,25 +54,11 @@ def update_from_file(
 
     from grpo_core.memory import PeakMemory
     from grpo_core.optim import build_optimizer
-    from grpo_core.sampling_filters import dynamic_sampling_mask
     from grpo_core.schedule import lr_lambda
     from grpo_core.trainer_state import rng_state, set_rng_state
-    from grpo_core.update import build_batch, grpo_update
+    from grpo_core.update import grpo_update
 
-    storage.pull(scored_path)
-    table = read_scored(scored_path)
-    cols = table.select(
-        ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
-    ).to_pydict()
-    gids = group_ids(table, scored_path)
-    keep = list(range(table.num_rows))
-    extra: dict[str, float] = {}
-    if rl.dynamic_sampling:  # DAPO: groups without reward variance carry no signal
-        informative = dynamic_sampling_mask(
-            torch.tensor(cols["advantage"], dtype=torch.float64), torch.tensor(gids)
-        )
-        keep = informative.nonzero().squeeze(-1).tolist()
-        extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
+    table, cols, gids, keep, extra = _scored_rows(scored_path, rl)
     init = init_checkpoint or reference_checkpoint or policy_checkpoint
     # a trainer rank on another node: the inputs this update reads that its node lacks
     storage.pull(
@@ -89,19 +75,7 @@ def update_from_file(
     elif dp is not None:
         dp.broadcast_parameters(w.model)  # replicas start from rank 0's weights
     total = total_steps or (global_step + rl.optimizer_steps_per_generation * rl.num_iterations)
-    key = {
-        "stage": stage,
-        "init_policy_id": policy_id(init),
-        "learning_rate": rl.learning_rate,
-        "weight_decay": rl.weight_decay,
-        "warmup_steps": rl.warmup_steps,
-        "lr_scheduler_type": rl.lr_scheduler_type,
-        "total_steps": total,
-        # the default is left out so that trainer states saved before the choice existed match
-        **({"optim": rl.optim} if rl.optim != "adamw_torch" else {}),
-        # a sharded optimizer's saved state is keyed by parameter name, a replica's by index
-        **({"strategy": "fsdp"} if sharded else {}),
-    }
+    key = _optimizer_key(rl, stage, init, total, sharded)
 
     def build(model):
         opt = build_optimizer(model, rl.optim, lr=rl.learning_rate, weight_decay=rl.weight_decay)
@@ -125,20 +99,7 @@ def update_from_file(
     t = {"seconds": 0.0}
     mem = PeakMemory(w.model.device)
     if keep:
-        pick = lambda name: [cols[name][i] for i in keep]  # noqa: E731
-        batch = build_batch(
-            pick("prompt_ids"),
-            pick("completion_ids"),
-            pick("advantage"),
-            tok.pad_token_id,
-            truncated=[r == "length" for r in pick("finish_reason")]
-            if rl.mask_truncated_completions
-            else None,
-            group_ids=[gids[i] for i in keep],
-            sampling_logprobs=pick("completion_logprobs")
-            if rl.vllm_importance_sampling_correction or source == "sampler"
-            else None,
-        )
+        batch = _batch(cols, gids, keep, rl, tok.pad_token_id, sampler_logprobs=source == "sampler")
         ref = warm.reference(w, reference_checkpoint) if rl.beta > 0 else None
         with timer() as t, mem:
             history = grpo_update(
@@ -157,25 +118,7 @@ def update_from_file(
         )
     step = global_step + len(history)
     train.global_step, train.rng = step, rng_state()
-    state, weights = train.state_dict(), None
-    if sharded:  # gathered on every rank (collectives), written by rank 0
-        state["optimizer"] = dp.full_optimizer_state(w.model, train.optimizer)
-        weights = dp.full_state_dict(w.model)
-    if dp is None or dp.rank == 0:
-        save_checkpoint(
-            w.model,
-            tok,
-            out_checkpoint,
-            trainer_state=state,
-            info={"scored": scored_path, "global_step": step, **warm.lora_info(w)},
-            state_dict=weights,
-        )
-        if dp is not None:  # the driver (and the next iteration's ranks) may be elsewhere
-            storage.publish(out_checkpoint)
-    if dp is not None:
-        dp.barrier()  # the checkpoint exists when any rank returns
-        if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
-            storage.pull(out_checkpoint)
+    _save(w, train, out_checkpoint, {"scored": scored_path, "global_step": step}, dp)
     warm.put(out_checkpoint, w)
     bad = [h for h in history if not math.isfinite(h["loss"])]
     if bad:
@@ -184,6 +127,94 @@ def update_from_file(
     for h in history:
         h.update(extra)
     return UpdateResult(out_checkpoint, step, history, t["seconds"], mem.gib)
+
+
+def _scored_rows(scored_path: str, rl: RLConfig):
+    """The scored file's columns the update reads, its group ids, the rows it trains on (with
+    ``rl.dynamic_sampling``: the groups with reward variance, DAPO) and their metrics."""
+    import torch
+
+    from grpo_core.sampling_filters import dynamic_sampling_mask
+
+    storage.pull(scored_path)
+    table = read_scored(scored_path)
+    cols = table.select(
+        ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
+    ).to_pydict()
+    gids = group_ids(table, scored_path)
+    keep = list(range(table.num_rows))
+    extra: dict[str, float] = {}
+    if rl.dynamic_sampling:  # DAPO: groups without reward variance carry no signal
+        informative = dynamic_sampling_mask(
+            torch.tensor(cols["advantage"], dtype=torch.float64), torch.tensor(gids)
+        )
+        keep = informative.nonzero().squeeze(-1).tolist()
+        extra["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
+    return table, cols, gids, keep, extra
+
+
+def _optimizer_key(rl: RLConfig, stage: str, init: str, total: int, sharded: bool) -> dict:
+    """What the optimizer state belongs to: a saved state is reused only under the same key."""
+    return {
+        "stage": stage,
+        "init_policy_id": policy_id(init),
+        "learning_rate": rl.learning_rate,
+        "weight_decay": rl.weight_decay,
+        "warmup_steps": rl.warmup_steps,
+        "lr_scheduler_type": rl.lr_scheduler_type,
+        "total_steps": total,
+        # the default is left out so that trainer states saved before the choice existed match
+        **({"optim": rl.optim} if rl.optim != "adamw_torch" else {}),
+        # a sharded optimizer's saved state is keyed by parameter name, a replica's by index
+        **({"strategy": "fsdp"} if sharded else {}),
+    }
+
+
+def _batch(cols: dict, gids: list, keep: list[int], rl: RLConfig, pad_id: int, *, sampler_logprobs):
+    """The update's batch of rows ``keep`` (truncated rows marked with
+    ``rl.mask_truncated_completions``; the sampler's log-probs when something reads them)."""
+    from grpo_core.update import build_batch
+
+    pick = lambda name: [cols[name][i] for i in keep]  # noqa: E731
+    return build_batch(
+        pick("prompt_ids"),
+        pick("completion_ids"),
+        pick("advantage"),
+        pad_id,
+        truncated=[r == "length" for r in pick("finish_reason")]
+        if rl.mask_truncated_completions
+        else None,
+        group_ids=[gids[i] for i in keep],
+        sampling_logprobs=pick("completion_logprobs")
+        if rl.vllm_importance_sampling_correction or sampler_logprobs
+        else None,
+    )
+
+
+def _save(w, train, out_checkpoint: str, info: dict, dp) -> None:
+    """The policy and its trainer state to ``out_checkpoint``. With ranks: a sharded model's
+    weights and optimizer gathered on every rank (collectives), written by rank 0 and shared
+    through the store; every rank returns once it exists."""
+    sharded = dp is not None and dp.sharded
+    state, weights = train.state_dict(), None
+    if sharded:
+        state["optimizer"] = dp.full_optimizer_state(w.model, train.optimizer)
+        weights = dp.full_state_dict(w.model)
+    if dp is None or dp.rank == 0:
+        save_checkpoint(
+            w.model,
+            w.tokenizer,
+            out_checkpoint,
+            trainer_state=state,
+            info={**info, **warm.lora_info(w)},
+            state_dict=weights,
+        )
+        if dp is not None:  # the driver (and the next iteration's ranks) may be elsewhere
+            storage.publish(out_checkpoint)
+    if dp is not None:
+        dp.barrier()  # the checkpoint exists when any rank returns
+        if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
+            storage.pull(out_checkpoint)
 
 
 def _shard(dp, w) -> None:
