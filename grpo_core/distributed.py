@@ -38,17 +38,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from grpo_core.batch import UpdateBatch
+from grpo_core.parallel import LocalParallel, ranks_prepare
 from grpo_core.step_metrics import SUMMED_METRICS, combine, of_micro_batch
 
 BUCKET_ELEMENTS = 25_000_000  # gradient elements per all-reduce (DDP's 25 MB-ish buckets)
 
 
 @dataclass
-class DataParallel:
+class DataParallel(LocalParallel):
     """This process's place in a data-parallel group; the collectives the update needs."""
 
     group: dist.ProcessGroup | None = None  # None: the default (world) group
     sharded: ClassVar[bool] = False  # FSDP2 (grpo_core/fsdp.py): parameters sharded over ranks
+
+    def prepare(self, cfg):
+        return ranks_prepare(cfg)
 
     @property
     def rank(self) -> int:

@@ -45,9 +45,9 @@ from grpo_core.distributed import DataParallel
 from grpo_core.importance import engine_importance_weights, needs_old_logprobs
 from grpo_core.loss_config import UpdateConfig
 from grpo_core.losses import micro_batch_counts, policy_loss, step_normalisers
+from grpo_core.parallel import LOCAL
 from grpo_core.precision import Precision
 from grpo_core.sampling_filters import top_entropy_mask
-from grpo_core.step_metrics import combine
 
 __all__ = ["UpdateBatch", "batched_logprobs", "build_batch", "completion_logprobs", "grpo_update"]
 
@@ -165,16 +165,11 @@ def grpo_update(
     n_groups = batch.size if batch.group_ids is None else len(torch.unique(batch.group_ids))
     micro, accumulation = _accumulation_plan(cfg, n_groups)
     slices = batch.step_slices(micro)
-    dp = data_parallel
-    if dp is not None and cfg.entropy_of_skipped_rows:  # not in the ranks' forward plan:
-        cfg = dataclasses.replace(cfg, entropy_of_skipped_rows=False)  # entropy/trained_rows
-    if dp is not None:
-        if cfg.top_entropy_quantile < 1.0:
-            raise ValueError("top_entropy_quantile < 1 is not supported with data_parallel")
-        batch, slices = dp.shard(batch, slices)  # this rank's rows only from here on
+    dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/parallel.py)
+    cfg = dp.prepare(cfg)
+    batch, slices = dp.shard(batch, slices)  # a rank: its rows only from here on
     tokens, rows = micro_batch_counts([batch.completion_mask[i] for i in slices])
-    if dp is not None:  # the global micro-batches' counts: the values of one process
-        tokens, rows = dp.all_reduce_counts(tokens, rows)
+    tokens, rows = dp.all_reduce_counts(tokens, rows)  # the global micro-batches' counts
     norms = step_normalisers(loss_cfg.loss_type, tokens, rows, accumulation)
     if cfg.disable_dropout:
         disable_dropout(model)
@@ -193,7 +188,7 @@ def grpo_update(
         precision=precision,
     )
     has_rows = batch.size > 0  # a rank of a data-parallel group may have none
-    sharded = dp is not None and dp.sharded
+    sharded = dp.sharded
     if sharded:  # the ranks agree on their forwards before running them (grpo_core/fsdp.py)
         plan = [_old_logprob_forwards(batch, cfg, reuse and has_rows)]
         plan += [
@@ -229,7 +224,7 @@ def grpo_update(
         )  # [N, T] or [N, 1]
     if sharded:  # FSDP2: as many sharded forwards as the busiest rank (grpo_core/fsdp.py)
         dp.pad_to(model, nograd_target, grad=False)
-    if dp is not None and cfg.engine_correction is not None:
+    if cfg.engine_correction is not None:
         is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()))
     history: list[dict] = []
     window: list[dict] = []
@@ -259,18 +254,14 @@ def grpo_update(
                 continue
             if skip_rows and _all_skipped(window):
                 _zero_missing_grads(model)
-            if dp is not None:
-                dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
+            dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
             precision.unscale_(optimizer)
-            if sharded:
-                grad_norm = dp.clip_grad_norm(model, cfg.max_grad_norm)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            grad_norm = dp.clip_grad_norm(model, cfg.max_grad_norm)
             precision.step(optimizer)
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            step = _window_metrics(window) if dp is None else dp.step_metrics(window, window_tokens)
+            step = dp.step_metrics(window, window_tokens)
             step.update(is_metrics)
             step["grad_norm"] = float(grad_norm)
             step["learning_rate"] = optimizer.param_groups[0]["lr"]
@@ -428,8 +419,3 @@ def _forward(model, mb: UpdateBatch, rows: Tensor, cfg: UpdateConfig, precision:
             with_entropy=True,
             lm_head=cfg.lm_head,
         )
-
-
-def _window_metrics(window: list[dict]) -> dict:
-    """One optimizer step's metrics from its micro-batches'."""
-    return combine(window)

@@ -1,0 +1,64 @@
+"""How the GRPO update runs on one process or on N ranks: a strategy object handed to
+``grpo_core.update.grpo_update``, so the update has one code path.
+
+:class:`LocalParallel` (the default) is one process: it changes nothing. The data-parallel
+ranks' strategies (``grpo_core/distributed.py: DataParallel``, ``grpo_core/fsdp.py:
+ShardedDataParallel``) implement the same methods with collectives: a rank trains its share
+of every micro-batch's groups, all-reduces counts and gradients, and the N ranks make the
+update of one process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from grpo_core.step_metrics import combine
+
+
+class LocalParallel:
+    """One process: the whole batch, its own counts and gradients."""
+
+    sharded: ClassVar[bool] = False  # parameters sharded over ranks (FSDP2)
+    rank: ClassVar[int] = 0
+    world_size: ClassVar[int] = 1
+
+    def prepare(self, cfg):
+        """The update's config as this strategy runs it (ranks refuse or turn off what their
+        forward plan does not cover)."""
+        return cfg
+
+    def shard(self, batch, slices: list[Tensor]):
+        return batch, slices
+
+    def all_reduce_counts(self, tokens: Tensor, rows: list[int]) -> tuple[Tensor, list[int]]:
+        return tokens, rows
+
+    def importance_metrics(self, metrics: dict, tokens: float) -> dict:
+        return metrics
+
+    def all_reduce_gradients(self, model: torch.nn.Module) -> None:
+        return None
+
+    def clip_grad_norm(self, model: torch.nn.Module, max_norm: float) -> Tensor:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def step_metrics(self, window: list[dict], tokens: list[float]) -> dict:
+        """One optimizer step's metrics from its micro-batches'."""
+        return combine(window)
+
+
+LOCAL = LocalParallel()
+
+
+def ranks_prepare(cfg):
+    """What data-parallel ranks run of ``cfg``: the entropy of skipped rows is not in their
+    forward plan (``entropy/trained_rows`` instead); a top-entropy token mask is refused."""
+    if cfg.top_entropy_quantile < 1.0:
+        raise ValueError("top_entropy_quantile < 1 is not supported with data_parallel")
+    if cfg.entropy_of_skipped_rows:
+        cfg = dataclasses.replace(cfg, entropy_of_skipped_rows=False)
+    return cfg
