@@ -85,6 +85,19 @@ class ModelConfig(Section):
             raise ValueError("model.load_in_4bit trains through LoRA: set model.lora as well")
         return self
 
+    def load_kwargs(self, *, trainer: bool = True) -> dict:
+        """``grpo_core.checkpoint.load_checkpoint``'s arguments for this section: the
+        trainer's (with gradient checkpointing, on ``model.device``), or with
+        ``trainer=False`` a rollout replica's (inference, on the replica's own device)."""
+        out = {
+            "dtype": self.dtype,
+            "attn_implementation": self.attn_implementation,
+            "load_in_4bit": self.load_in_4bit,
+        }
+        if trainer:
+            out |= {"gradient_checkpointing": self.gradient_checkpointing, "device": self.device}
+        return out
+
     def load_options(self) -> dict:
         """What changes the loaded policy's numbers (enters the stage cache keys);
         gradient checkpointing recomputes the same values and does not."""

@@ -110,7 +110,7 @@ def sample_rollouts(
                 tokenizer=tok,
                 engine=engine,
                 engine_options=engine_options,
-                load_options=_replica_load_options(),
+                load_options=warm.options().load_kwargs(trainer=False),  # as this process
                 check_sync=check_sync,
                 desc=desc,
             )
@@ -153,16 +153,6 @@ def sample_rollouts(
         "rollout/tokens_per_s": n_tokens / max(t["seconds"], 1e-9),
     }
     return RolloutResult(out_path, metrics)
-
-
-def _replica_load_options() -> dict:
-    """How the rollout replicas load a checkpoint: as this process loads its policies."""
-    m = warm.options()
-    return {
-        "dtype": m.dtype,
-        "attn_implementation": m.attn_implementation,
-        "load_in_4bit": m.load_in_4bit,
-    }
 
 
 def rollout_shards(n_prompts: int) -> int:

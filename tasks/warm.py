@@ -102,15 +102,7 @@ def options_key() -> dict | None:
 
 
 def _load(checkpoint: Path):
-    m = _OPTIONS["model"]
-    return load_checkpoint(
-        checkpoint,
-        dtype=m.dtype,
-        attn_implementation=m.attn_implementation,
-        gradient_checkpointing=m.gradient_checkpointing,
-        load_in_4bit=m.load_in_4bit,
-        device=m.device,
-    )
+    return load_checkpoint(checkpoint, **_OPTIONS["model"].load_kwargs())
 
 
 def _with_adapter(warm: WarmPolicy | None, checkpoint: Path, pid: str, base: Path) -> WarmPolicy:
