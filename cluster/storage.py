@@ -174,7 +174,7 @@ class RunStore:
                 return False
         except OSError as e:
             raise StorageError(f"downloading {self.url_of(p)} to {p}: {e}") from e
-        log.info("pulled %s from %s", p, self.url_of(p))  # a flow run's log too (flows/env.py)
+        log.info("pulled %s from %s", p, self.url_of(p))  # tasks say it in the run's log
         self.mark_synced(p)
         return True
 
@@ -274,12 +274,13 @@ def publish(*paths: str | Path) -> None:
             store.publish(p)
 
 
-def pull(*paths: str | Path | None) -> None:
+def pull(*paths: str | Path | None) -> list[str]:
+    """Download each of ``paths`` this machine lacks from the shared store; the ones pulled,
+    as ``"<path> from <url>"`` (tasks log them in the run: tasks/common.py ``pull``)."""
     store = active()
-    if store is not None:
-        for p in paths:
-            if p is not None:
-                store.pull(p)
+    if store is None:
+        return []
+    return [f"{p} from {store.url_of(p)}" for p in paths if p is not None and store.pull(p)]
 
 
 def mark_synced(path: str | Path) -> None:

@@ -235,8 +235,12 @@ def _pull_record(m: Path, key: str, paths: list[str | Path]) -> bool:
     text = store.read_text(m) if store is not None else None
     if _read_record(text, key) is None:
         return False
+    from tasks.common import logger
+
+    log = logger(__name__)
     for p in paths:
-        store.pull(p)
+        if store.pull(p):
+            log.info("pulled %s from %s", p, store.url_of(p))
     with atomic_path(m) as tmp:  # the manifest as read, after its outputs
         tmp.write_text(text)
     return True

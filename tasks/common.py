@@ -22,6 +22,14 @@ def logger(name: str) -> logging.Logger | logging.LoggerAdapter:
     return logging.getLogger(name)
 
 
+def pull(*paths) -> None:
+    """``cluster.storage.pull``, each download said in the run's log (the Prefect UI)."""
+    from cluster import storage
+
+    for what in storage.pull(*paths):
+        logger(__name__).info("pulled %s", what)
+
+
 @contextmanager
 def timer():
     t = {"start": time.perf_counter(), "seconds": 0.0}

@@ -14,7 +14,7 @@ from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
-from tasks.common import logger
+from tasks.common import logger, pull
 from tasks.workspace import Workspace
 
 SPLIT_COLUMNS = {
@@ -82,7 +82,7 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
                 out[name] = str(write_jsonl(rows, ws.data(name)))
     if model.source == "demo":
         base = ws.checkpoint("base")
-        storage.pull(base)  # another machine's run of this workspace made it already
+        pull(base)  # another machine's run of this workspace made it already
         if not (base / "config.json").exists():
             from grpo_core.demo.model import save_base_model
 

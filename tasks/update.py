@@ -19,7 +19,7 @@ from grpo_core.old_logprobs import old_logprobs_source
 from grpo_core.rollouts import group_ids, read_metadata_of, read_scored
 from tasks import warm
 from tasks.cache import cached, stage_key
-from tasks.common import logger, timer
+from tasks.common import logger, pull, timer
 from tasks.results import UpdateResult
 
 
@@ -61,7 +61,7 @@ def update_from_file(
     table, cols, gids, keep, extra = _scored_rows(scored_path, rl)
     init = init_checkpoint or reference_checkpoint or policy_checkpoint
     # a trainer rank on another node: the inputs this update reads that its node lacks
-    storage.pull(
+    pull(
         policy_checkpoint,
         reference_checkpoint if rl.beta > 0 else None,
         init if warm.options().lora is not None else None,  # the LoRA adapter's base
@@ -136,7 +136,7 @@ def _scored_rows(scored_path: str, rl: RLConfig):
 
     from grpo_core.sampling_filters import dynamic_sampling_mask
 
-    storage.pull(scored_path)
+    pull(scored_path)
     table = read_scored(scored_path)
     cols = table.select(
         ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
@@ -214,7 +214,7 @@ def _save(w, train, out_checkpoint: str, info: dict, dp) -> None:
     if dp is not None:
         dp.barrier()  # the checkpoint exists when any rank returns
         if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
-            storage.pull(out_checkpoint)
+            pull(out_checkpoint)
 
 
 def _shard(dp, w) -> None:
@@ -258,7 +258,7 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
     try:
         result = trainer_group(cl).run(update_on_rank, args, what=what)
         # written and uploaded by rank 0, maybe on another node: the store has these bytes
-        storage.pull(kwargs["out_checkpoint"])
+        pull(kwargs["out_checkpoint"])
         storage.mark_synced(kwargs["out_checkpoint"])
         return result
     except TrainerGroupError:
