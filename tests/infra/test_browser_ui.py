@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from browser import REQUIRE_ENV, chromium, missing_browser
+from servers_script import run_script
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "pipeline"))
 from tests_support import TINY_OVERRIDES  # noqa: E402
@@ -42,19 +43,6 @@ def _free_port(taken: set[int]) -> int:
             port = s.getsockname()[1]
         if port not in taken | {4200, 5000}:  # never the defaults: the point of the test
             return port
-
-
-def _script(name: str, env: dict, *args: str, timeout: float = 300) -> str:
-    proc = subprocess.run(
-        ["bash", str(REPO / "infra" / name), *args],
-        env=env,
-        cwd=env["GRPO_WORKDIR"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def _env_sh(path: Path) -> dict[str, str]:
@@ -89,7 +77,7 @@ def stack(browser_ready, tmp_path_factory):
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
     try:
-        _script("start-servers.sh", env, "prefect", "mlflow")
+        run_script("start-servers.sh", env, "prefect", "mlflow")
         yield {
             "env": env,
             "root": root,
@@ -98,7 +86,7 @@ def stack(browser_ready, tmp_path_factory):
             "sourced": _env_sh(root / "state" / "env.sh"),
         }
     finally:
-        _script("stop-servers.sh", env)
+        run_script("stop-servers.sh", env)
 
 
 @pytest.fixture(scope="module")

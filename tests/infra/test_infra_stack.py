@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from servers_script import run_script
 
 from flows.config import CHECKPOINT_STAGES
 from tasks.workspace import Workspace
@@ -31,19 +32,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _script(name: str, env: dict, *args: str, timeout: float = 300) -> str:
-    proc = subprocess.run(
-        ["bash", str(REPO / "infra" / name), *args],
-        env=env,
-        cwd=env["GRPO_WORKDIR"],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +52,7 @@ def stack(tmp_path_factory):
     }  # telemetry off etc.: os.environ has flows/env.py's defaults (tests/conftest.py)
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
-    out = _script("start-servers.sh", env, *SERVICES)
+    out = run_script("start-servers.sh", env, *SERVICES)
     api, mlflow_uri = f"http://127.0.0.1:{pport}/api", f"http://127.0.0.1:{mport}"
     assert api in out and mlflow_uri in out and "polling work pool 'grpo-local'" in out
     stack = {
@@ -78,7 +66,7 @@ def stack(tmp_path_factory):
     try:
         yield stack
     finally:
-        _script("stop-servers.sh", env)  # idempotent: a no-op once test_stop_servers ran
+        run_script("stop-servers.sh", env)  # idempotent: a no-op once test_stop_servers ran
 
 
 def _run_deployment(stack, name: str, run_name: str) -> object:
@@ -135,7 +123,7 @@ def worker_run(stack):
 
 def test_start_is_idempotent(stack):
     pids = {s: (stack["state"] / f"{s}.pid").read_text() for s in SERVICES}
-    out = _script("start-servers.sh", stack["script_env"], *SERVICES)
+    out = run_script("start-servers.sh", stack["script_env"], *SERVICES)
     for s in SERVICES:
         assert f"{s}: already running (pid {pids[s].strip()})" in out
         assert (stack["state"] / f"{s}.pid").read_text() == pids[s]
@@ -160,7 +148,7 @@ def test_prefect_yaml_deployment_runs_on_the_worker(stack, worker_run):
 def served_run(stack, worker_run):
     """`grpo serve` (python -m flows.serve_cli) picks up a run triggered through the API.
     The worker is stopped first (stop-servers.sh for one service), so only serve can run it."""
-    assert "worker: stopped" in _script("stop-servers.sh", stack["script_env"], "worker")
+    assert "worker: stopped" in run_script("stop-servers.sh", stack["script_env"], "worker")
     log = open(stack["work"] / "serve.log", "w")  # noqa: SIM115
     serve = subprocess.Popen(
         [sys.executable, "-m", "flows.serve_cli", "--no-stages", "--cron", "30 1 * * 0"],
@@ -261,7 +249,7 @@ def test_stop_servers_stops_everything(stack):
         if (stack["state"] / f"{s}.pid").exists()  # the serve test stopped the worker already
     }
     assert {"prefect", "mlflow"} <= pids.keys()
-    out = _script("stop-servers.sh", stack["script_env"])
+    out = run_script("stop-servers.sh", stack["script_env"])
     for s in pids:
         assert f"{s}: stopped (pid {pids[s]})" in out
         assert not (stack["state"] / f"{s}.pid").exists()
@@ -271,5 +259,5 @@ def test_stop_servers_stops_everything(stack):
     for port in (stack["api"], stack["mlflow"]):
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", int(port.split(":")[2].split("/")[0]))) != 0
-    again = _script("stop-servers.sh", stack["script_env"])
+    again = run_script("stop-servers.sh", stack["script_env"])
     assert all(f"{s}: not running" in again for s in SERVICES)
