@@ -1,8 +1,9 @@
-"""The process's cluster setting and its Ray connection.
+"""The process's cluster setting, its executor and its Ray connection.
 
-``configure`` is called once per process by the flows (as ``tasks.warm.configure`` is for
-model loading); tasks ask ``current()`` whether to fan out. ``ensure_ray`` connects to (or
-starts) Ray on first use; Ray is imported only there."""
+``configure`` is called once per process by the run context (flows/run_context.py); tasks
+hand their work to ``executor()`` (cluster/executor.py), the local or the Ray one for that
+setting. ``ensure_ray`` connects to (or starts) Ray on first use; Ray is imported only
+there."""
 
 from __future__ import annotations
 
@@ -10,20 +11,33 @@ import atexit
 import logging
 
 from cluster.config import ClusterConfig
+from cluster.executor import Local, for_config
 
 _current = ClusterConfig()
+_executor: Local | None = None
 _started_here = False
 
 log = logging.getLogger(__name__)
 
 
 def configure(cfg: ClusterConfig) -> None:
-    global _current
+    global _current, _executor
+    if _executor is not None and cfg != _current:
+        _executor.close()  # its engines were started for the other setting
+        _executor = None
     _current = cfg
 
 
 def current() -> ClusterConfig:
     return _current
+
+
+def executor() -> Local:
+    """Where this process's rollouts, scoring and updates run, for the current setting."""
+    global _executor
+    if _executor is None:
+        _executor = for_config(_current)
+    return _executor
 
 
 def ensure_ray(cfg: ClusterConfig | None = None):

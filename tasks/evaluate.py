@@ -10,6 +10,7 @@ import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import runtime
 from grpo_core.config import EvalConfig
 from grpo_core.data import load_rows
 from grpo_core.io import atomic_path, write_parquet
@@ -65,7 +66,7 @@ def _evaluate(
     w = warm.get(checkpoint)
     eng = None
     if engine["name"] != "hf":
-        eng = warm.ENGINES.get(
+        eng = runtime.executor().engines.get(
             engine["name"],
             checkpoint=w.checkpoint,
             policy_id=w.policy_id,

@@ -95,46 +95,27 @@ def sample_rollouts(
         max_new_tokens=max_completion_length,
         seed=seed,
     )
-    cluster = runtime.current()
-    if cluster.uses_ray:  # sharded over the rollout replicas (cluster/rollout_workers.py)
-        from cluster import rollout_workers
-
-        with timer() as t:
-            samples = rollout_workers.sample(
-                cluster,
-                prompt_ids,
-                params,
-                checkpoint=str(w.checkpoint),
-                policy_id=w.policy_id,
-                model=w.model,
-                tokenizer=tok,
-                engine=engine,
-                engine_options=engine_options,
-                load_options=warm.options().load_kwargs(trainer=False),  # as this process
-                check_sync=check_sync,
-                desc=desc,
-            )
-    else:
-        eng = warm.ENGINES.get(
-            engine,
-            checkpoint=w.checkpoint,
-            policy_id=w.policy_id,
-            model=w.model,
-            tokenizer=tok,
-            opts=engine_options,
+    executor = runtime.executor()  # this process's engine, or the rollout replicas
+    with timer() as t:
+        samples = executor.sample(
+            w,
+            prompt_ids,
+            params,
+            engine=engine,
+            engine_options=engine_options,
+            load_options=warm.options().load_kwargs(trainer=False),  # as this process
             check_sync=check_sync,
+            desc=desc,
         )
-        with timer() as t:
-            samples = eng.generate(prompt_ids, params, desc=desc)
-        eng.sleep()  # frees accelerator memory for the update where the engine supports it
     meta = {
         "model": str(policy_checkpoint),
         "engine": engine,
         "engine_options": engine_options or {},
         "sampling": params.__dict__,
     }
-    if cluster.uses_ray:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
-        meta["rollout_shards"] = rollout_shards(len(rows))
+    shards = executor.rollout_shards(len(rows))
+    if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
+        meta["rollout_shards"] = shards
     if engine == "hf":  # the warm policy samples: its dtype (grpo_core/old_logprobs.py)
         meta["dtype"] = str(next(w.model.parameters()).dtype).removeprefix("torch.")
     table = rollout_table(
@@ -158,8 +139,7 @@ def sample_rollouts(
 def rollout_shards(n_prompts: int) -> int:
     """How many replicas share an iteration's prompts (1: the local engine, or one replica,
     which samples what the local engine samples)."""
-    cluster = runtime.current()
-    return min(cluster.rollout.workers, n_prompts) if cluster.uses_ray else 1
+    return runtime.executor().rollout_shards(n_prompts)
 
 
 HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default engine spec

@@ -69,7 +69,7 @@ def score_file(
         max_completion_length,
         overlong_penalty_factor,
     )
-    functions, all_weights = build(), dict(weights)
+    all_weights = dict(weights)
     if overlong_buffer_length:
         all_weights[OVERLONG] = overlong_penalty_factor
     with timer() as t:
@@ -77,23 +77,10 @@ def score_file(
         cols = table.to_pydict()
         extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
         gid_list = group_ids(table, rollouts_path)
-        cluster = runtime.current()
-        if cluster.uses_ray:  # Ray tasks over shards of whole groups (cluster/scoring.py)
-            from cluster.scoring import score_sharded
-
-            result = score_sharded(
-                cluster,
-                cols["prompt"],
-                cols["completion"],
-                extra,
-                all_weights,
-                group_ids=gid_list,
-                build=build,
-            )
-        else:
-            result = rewards.score_completions(
-                cols["prompt"], cols["completion"], extra, all_weights, functions=functions
-            )
+        # here, or as Ray tasks over shards of whole groups (cluster/scoring.py)
+        result = runtime.executor().score(
+            cols["prompt"], cols["completion"], extra, all_weights, group_ids=gid_list, build=build
+        )
         check_reward_failures(result, max_error_rate, label or rollouts_path)
         gids = torch.tensor(gid_list)  # [N]
         matrix, w = reward_matrix(result.per_function, result.weights, table.num_rows)  # [N, K]

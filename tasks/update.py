@@ -240,32 +240,20 @@ def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
 
 
 def run_update(*, iteration: int, **kwargs) -> UpdateResult:
-    """:func:`update_from_file` (keywords) in this process, or on the trainer group's Ray
-    actors when ``cluster.backend`` is ``ray`` (cluster/trainer_group.py). A failed group
-    leaves no temporary checkpoint beside ``out_checkpoint``."""
-    from cluster.runtime import current
+    """:func:`update_from_file` (keywords) where this process's executor runs updates: here,
+    or on every rank of the trainer group (``cluster.backend: ray``,
+    cluster/trainer_group.py) with the run's model load options."""
+    import functools
 
-    cl = current()
-    if not cl.uses_ray:
-        return update_from_file(**kwargs)
-    import shutil
-    from pathlib import Path
+    from cluster import runtime
 
-    from cluster.trainer_group import TrainerGroupError, trainer_group
-
-    what = f"{kwargs.get('stage', 'offline')} iteration {iteration} update"
-    args = {**kwargs, "model_options": warm.options()}
-    try:
-        result = trainer_group(cl).run(update_on_rank, args, what=what)
-        # written and uploaded by rank 0, maybe on another node: the store has these bytes
-        pull(kwargs["out_checkpoint"])
-        storage.mark_synced(kwargs["out_checkpoint"])
-        return result
-    except TrainerGroupError:
-        out = Path(kwargs["out_checkpoint"])
-        for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return runtime.executor().update(
+        update_from_file,
+        functools.partial(update_on_rank, model_options=warm.options()),
+        kwargs,
+        what=f"{kwargs.get('stage', 'offline')} iteration {iteration} update",
+        out_checkpoint=kwargs["out_checkpoint"],
+    )
 
 
 def _old_logprobs_source(rl: RLConfig, table, w) -> tuple[str, str]:

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING
 from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint, load_trainer_state, policy_id
 from grpo_core.config import ModelConfig
-from grpo_core.engines import WarmEngines
 from grpo_core.errors import UserError
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
@@ -73,7 +72,6 @@ class WarmPolicy:
     extra: dict = field(default_factory=dict)
 
 
-ENGINES = WarmEngines()  # rollout engines kept alive across iterations (weights synced in memory)
 _WARM: dict[str, WarmPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0}
 _OPTIONS = {"model": ModelConfig()}  # how policies are loaded in this process

@@ -1,0 +1,160 @@
+"""Where a stage's heavy work runs, behind one interface: this process (:class:`Local`) or
+the Ray cluster (:class:`OnRay`), chosen by ``cluster.backend`` (``cluster/runtime.py:
+executor()``). The tasks hand their work to the executor and never ask which one it is:
+
+- ``sample``: completions for prompt ids from a policy (the warm engine of this process, or
+  the rollout replicas, ``cluster/rollout_workers.py``);
+- ``score``: the reward functions over rows (here, or Ray tasks over shards of whole
+  groups, ``cluster/scoring.py``);
+- ``update``: a training call (here, or on every rank of the trainer group,
+  ``cluster/trainer_group.py``);
+- ``rollout_shards``: how many replicas share an iteration's prompts (part of a rollout's
+  cache key: each shard samples with its own seed).
+
+Both keep this process's rollout engines (``engines``), which the held-out evaluation uses
+on either backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from cluster.config import ClusterConfig
+from grpo_core.engines import WarmEngines
+
+log = logging.getLogger(__name__)
+
+
+class Policy(Protocol):
+    """The policy to sample from: its weights in memory and the checkpoint they came from
+    (``tasks/warm.py: WarmPolicy``)."""
+
+    checkpoint: Path
+    policy_id: str
+    model: Any
+    tokenizer: Any
+
+
+class Local:
+    """Everything in this process."""
+
+    def __init__(self, cfg: ClusterConfig | None = None) -> None:
+        self.cfg = cfg or ClusterConfig()
+        self.engines = WarmEngines()  # kept alive across iterations, weights synced in memory
+
+    def rollout_shards(self, n_prompts: int) -> int:
+        return 1
+
+    def sample(
+        self,
+        policy: Policy,
+        prompt_ids: list[list[int]],
+        params,
+        *,
+        engine: str,
+        engine_options: Mapping | None,
+        load_options: Mapping[str, Any] | None,
+        check_sync: bool,
+        desc: str,
+    ) -> list:
+        eng = self.engines.get(
+            engine,
+            checkpoint=policy.checkpoint,
+            policy_id=policy.policy_id,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            opts=engine_options,
+            check_sync=check_sync,
+        )
+        samples = eng.generate(prompt_ids, params, desc=desc)
+        eng.sleep()  # frees accelerator memory for the update where the engine supports it
+        return samples
+
+    def score(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        columns: Mapping[str, Sequence[Any]],
+        weights: Mapping[str, float],
+        *,
+        group_ids: Sequence[Any],
+        build: Callable[[], Mapping[str, Callable]],
+    ):
+        from grpo_core import rewards
+
+        return rewards.score_completions(prompts, completions, columns, weights, functions=build())
+
+    def update(
+        self,
+        run: Callable[..., Any],
+        on_rank: Callable[..., Any],
+        kwargs: dict,
+        *,
+        what: str,
+        out_checkpoint: str,
+    ):
+        """``run(**kwargs)``; ``on_rank`` is the per-rank form :class:`OnRay` uses."""
+        return run(**kwargs)
+
+    def close(self) -> None:
+        self.engines.close()
+
+
+class OnRay(Local):
+    """Rollouts on the rollout replicas, scoring as Ray tasks, updates on the trainer group."""
+
+    def rollout_shards(self, n_prompts: int) -> int:
+        return min(self.cfg.rollout.workers, n_prompts)
+
+    def sample(self, policy, prompt_ids, params, *, engine, engine_options, load_options,
+               check_sync, desc):  # fmt: skip
+        from cluster import rollout_workers
+
+        return rollout_workers.sample(
+            self.cfg,
+            prompt_ids,
+            params,
+            checkpoint=str(policy.checkpoint),
+            policy_id=policy.policy_id,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            engine=engine,
+            engine_options=engine_options,
+            load_options=load_options,
+            check_sync=check_sync,
+            desc=desc,
+        )
+
+    def score(self, prompts, completions, columns, weights, *, group_ids, build):
+        from cluster.scoring import score_sharded
+
+        return score_sharded(
+            self.cfg, prompts, completions, columns, weights, group_ids=group_ids, build=build
+        )
+
+    def update(self, run, on_rank, kwargs, *, what, out_checkpoint):
+        """``on_rank(data_parallel, **kwargs)`` on every rank of the trainer group; rank 0
+        writes ``out_checkpoint`` (maybe on another node) and shares it through the store. A
+        failed group leaves no temporary checkpoint beside it."""
+        from cluster import storage
+        from cluster.trainer_group import TrainerGroupError, trainer_group
+
+        try:
+            result = trainer_group(self.cfg).run(on_rank, kwargs, what=what)
+            for path in storage.pull(out_checkpoint):
+                log.info("pulled %s from the shared store", path)
+            storage.mark_synced(out_checkpoint)
+            return result
+        except TrainerGroupError:
+            out = Path(out_checkpoint)
+            for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+
+def for_config(cfg: ClusterConfig) -> Local:
+    return OnRay(cfg) if cfg.uses_ray else Local(cfg)
