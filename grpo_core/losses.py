@@ -242,42 +242,16 @@ def policy_loss(
         ``clip_ratio/low_mean``, ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` and
         ``kl`` when ``beta != 0``.
     """
-    if config is not None and knobs:
-        raise ValueError(f"give a LossConfig or keywords, not both (got {sorted(knobs)})")
-    if config is None:
-        unknown = set(knobs) - {f.name for f in fields(LossConfig)}
-        if unknown:
-            raise TypeError(f"policy_loss: unknown keyword(s) {sorted(unknown)}")
-        config = LossConfig(**knobs)
-    c = config
-    if c.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
-            f"got {c.importance_sampling_level!r}"
-        )
+    c = _loss_config(config, knobs)
     aggregate = LOSS_AGGREGATIONS.get(c.loss_type)
-    objective_fn = POLICY_OBJECTIVES.get(c.objective)
     mask = mask.to(logp.dtype)  # [B, T]
     old_logp = logp.detach() if old_logp is None else old_logp  # [B, T]
-    adv = advantages.to(logp.dtype)
-    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
-    eps_low = c.epsilon
-    eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
-
     if c.importance_sampling_level == "token":
         log_ratio = logp - old_logp  # [B, T]
     else:
         log_ratio = sequence_log_ratio(logp, old_logp, mask)  # [B, 1]
 
-    out = objective_fn(
-        log_ratio,
-        adv,
-        logp,
-        epsilon_low=eps_low,
-        epsilon_high=eps_high,
-        clip_ratio_c=c.clip_ratio_c,
-        delta=c.delta,
-    )
+    out = _objective(c, log_ratio, advantages, logp)
     per_token = out.loss  # [B, T] or [B, 1]
     if token_weights is not None:
         per_token = per_token * token_weights  # [B, T]
@@ -286,11 +260,7 @@ def policy_loss(
 
     metrics: dict[str, float] = {}
     if c.beta != 0.0:
-        if ref_logp is None:
-            raise ValueError("beta != 0 needs ref_logp")
-        per_token_kl = kl_divergence(logp, ref_logp, c.kl_estimator)  # [B, T]
-        if c.use_bias_correction_kl:
-            per_token_kl = per_token_kl * torch.exp(log_ratio)  # [B, T]
+        per_token_kl = _kl_term(c, logp, ref_logp, log_ratio)  # [B, T]
         per_token = per_token + c.beta * per_token_kl  # [B, T]
         metrics["kl"] = masked_mean(per_token_kl.detach(), mask)
 
@@ -307,3 +277,47 @@ def policy_loss(
     metrics["clip_ratio/high_mean"] = masked_mean(out.high_clipped, mask)
     metrics["clip_ratio/region_mean"] = masked_mean(region, mask)
     return loss, metrics
+
+
+def _loss_config(config: LossConfig | None, knobs: dict) -> LossConfig:
+    """``policy_loss``'s config: the one given, or one built from its keywords; checked."""
+    if config is not None and knobs:
+        raise ValueError(f"give a LossConfig or keywords, not both (got {sorted(knobs)})")
+    if config is None:
+        unknown = set(knobs) - {f.name for f in fields(LossConfig)}
+        if unknown:
+            raise TypeError(f"policy_loss: unknown keyword(s) {sorted(unknown)}")
+        config = LossConfig(**knobs)
+    if config.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, "
+            f"got {config.importance_sampling_level!r}"
+        )
+    return config
+
+
+def _objective(c: LossConfig, log_ratio: Tensor, advantages: Tensor, logp: Tensor) -> ObjectiveOut:
+    """The configured per-token objective, advantages broadcast to ``[B, 1]`` (or ``[B, T]``)."""
+    objective_fn = POLICY_OBJECTIVES.get(c.objective)
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
+    eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
+    return objective_fn(
+        log_ratio,
+        adv,
+        logp,
+        epsilon_low=c.epsilon,
+        epsilon_high=eps_high,
+        clip_ratio_c=c.clip_ratio_c,
+        delta=c.delta,
+    )
+
+
+def _kl_term(c: LossConfig, logp: Tensor, ref_logp: Tensor | None, log_ratio: Tensor) -> Tensor:
+    """Per-token KL to the reference ``[B, T]``, times the ratio under bias correction."""
+    if ref_logp is None:
+        raise ValueError("beta != 0 needs ref_logp")
+    per_token_kl = kl_divergence(logp, ref_logp, c.kl_estimator)  # [B, T]
+    if c.use_bias_correction_kl:
+        per_token_kl = per_token_kl * torch.exp(log_ratio)  # [B, T]
+    return per_token_kl
