@@ -23,10 +23,9 @@ from tqdm.auto import tqdm
 
 from grpo_core.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.model_logprobs import model_logprobs
-from grpo_core.optim import build_optimizer
 from grpo_core.precision import Precision
-from grpo_core.schedule import lr_lambda
 from grpo_core.text import encode_completion, encode_prompt
+from grpo_core.trainer import build_optimization
 from grpo_core.trainer_state import load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -177,8 +176,15 @@ def train_sft(
     rng = random.Random(seed)
     torch.manual_seed(seed)
     precision = Precision.for_model(model, bf16=bf16, fp16=fp16, section="sft")
-    opt = build_optimizer(model, optim, lr=learning_rate, weight_decay=weight_decay, section="sft")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup_steps, max_steps))
+    opt, sched = build_optimization(
+        model,
+        optim,
+        learning_rate=learning_rate,
+        weight_decay=weight_decay,
+        warmup_steps=warmup_steps,
+        total_steps=max_steps,
+        section="sft",
+    )
     order: list[int] = []
     history, dev_history = [], []
     loss_val, stopped = float("nan"), False

@@ -50,11 +50,9 @@ def update_from_file(
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
     rank 0 alone writes the checkpoint.
     """
-    import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core.memory import PeakMemory
-    from grpo_core.optim import build_optimizer
-    from grpo_core.schedule import lr_lambda
+    from grpo_core.trainer import build_optimization
     from grpo_core.trainer_state import rng_state, set_rng_state
     from grpo_core.update import grpo_update
 
@@ -78,10 +76,15 @@ def update_from_file(
     key = _optimizer_key(rl, stage, init, total, sharded)
 
     def build(model):
-        opt = build_optimizer(model, rl.optim, lr=rl.learning_rate, weight_decay=rl.weight_decay)
-        kind = rl.lr_scheduler_type
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(rl.warmup_steps, total, kind))
-        return opt, sched
+        return build_optimization(
+            model,
+            rl.optim,
+            learning_rate=rl.learning_rate,
+            weight_decay=rl.weight_decay,
+            warmup_steps=rl.warmup_steps,
+            total_steps=total,
+            lr_scheduler_type=rl.lr_scheduler_type,
+        )
 
     source, why = _old_logprobs_source(rl, table, w)
     update_cfg = dataclasses.replace(rl.update_config(), old_logprobs=source)

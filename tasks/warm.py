@@ -2,7 +2,8 @@
 update tasks. A task asking for a checkpoint gets the in-memory model when its weights are
 that checkpoint (same ``policy_id``); otherwise it is loaded from disk.
 
-The training state of an RL stage (AdamW, LR schedule, RNG states: :class:`TrainState`)
+The training state of an RL stage (AdamW, LR schedule, RNG states:
+``grpo_core.trainer.TrainState``)
 travels with the warm model between iterations, keyed by the stage's identity (stage name,
 its init checkpoint's weights, the optimizer and schedule settings). It is exactly what the
 update saved as the checkpoint's ``trainer_state.pt``, so a stage resumed from disk after a
@@ -24,42 +25,23 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_core import lora
-from grpo_core.checkpoint import load_checkpoint, load_trainer_state, policy_id
+from grpo_core.checkpoint import load_checkpoint, policy_id
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
+from tasks.common import logger
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
     import torch
 
+    from grpo_core.trainer import TrainState
+
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
-
-
-@dataclass
-class TrainState:
-    """An RL stage's optimizer, LR scheduler and RNG states after ``global_step`` steps:
-    what ``trainer_state.pt`` of the checkpoint written at that step holds."""
-
-    key: dict  # the stage's identity: stage, init policy_id, optimizer and schedule settings
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    global_step: int
-    rng: dict  # grpo_core.trainer_state.rng_state() as saved with the checkpoint
-
-    def state_dict(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "optimizer_key": self.key,
-            "global_step": self.global_step,
-            "rng": self.rng,
-        }
 
 
 @dataclass
@@ -218,67 +200,15 @@ def put(checkpoint: str | Path, warm: WarmPolicy, slot: str = "policy") -> None:
         _WARM[slot] = warm
 
 
-def train_state(
-    warm: WarmPolicy,
-    *,
-    key: dict,
-    global_step: int,
-    build: Callable[[torch.nn.Module], tuple[torch.optim.Optimizer, object]],
-    seed: int = 0,
-    load_optimizer: Callable | None = None,
-) -> TrainState:
-    """The optimizer, scheduler and RNG states to continue a stage at ``global_step``.
+def train_state(warm: WarmPolicy, **kwargs) -> TrainState:
+    """The train state to continue ``warm``'s stage with (grpo_core/trainer.py:
+    :func:`~grpo_core.trainer.continue_train_state`), kept with the warm model."""
+    from grpo_core.trainer import continue_train_state
 
-    ``build(model)`` makes a fresh ``(optimizer, scheduler)`` positioned at step 0. At
-    ``global_step`` 0 the state is fresh and the RNGs are seeded from ``seed``. Later, it is
-    the in-memory state when that is the one saved at ``warm.checkpoint`` (same ``key`` and
-    step), else the checkpoint's ``trainer_state.pt`` (same key and step). When neither
-    exists (pruned, or written by other settings), a warning says so and the optimizer
-    starts fresh with the schedule positioned at ``global_step``: the result then differs
-    from an uninterrupted run's. ``load_optimizer(model, optimizer, state)`` loads a saved
-    optimizer state where ``optimizer.load_state_dict`` cannot (a sharded model's).
-    """
-    from grpo_core.trainer_state import rng_state, seed_all
-    from tasks.common import logger
-
-    if global_step > 0:
-        live = warm.train
-        if live is not None and live.key == key and live.global_step == global_step:
-            return live
-    warm.train = None
-    opt, sched = build(warm.model)
-    if global_step > 0:
-        saved = load_trainer_state(warm.checkpoint)
-        if (
-            isinstance(saved, dict)
-            and saved.get("optimizer_key") == key
-            and saved.get("global_step") == global_step
-            and saved.get("optimizer")
-            and saved.get("scheduler")
-        ):
-            if load_optimizer is not None:
-                load_optimizer(warm.model, opt, saved["optimizer"])
-            else:
-                opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
-            sched.load_state_dict(saved["scheduler"])
-            warm.train = TrainState(key, opt, sched, global_step, saved["rng"])
-            logger(__name__).info(
-                "%s: optimizer state at step %d from disk", warm.checkpoint, global_step
-            )
-            return warm.train
-        logger(__name__).warning(
-            "%s has no trainer state for %s at step %d (pruned or other settings): AdamW "
-            "starts fresh, so this stage will not match an uninterrupted run; rerun it with "
-            "--force %s to retrain it exactly",
-            warm.checkpoint,
-            key.get("stage"),
-            global_step,
-            key.get("stage"),
-        )
-        for _ in range(global_step):  # the schedule still follows the stage's step count
-            sched.step()
-    seed_all(seed)
-    warm.train = TrainState(key, opt, sched, global_step, rng_state())
+    live, warm.train = warm.train, None  # a failed build leaves no state of the wrong step
+    warm.train = continue_train_state(
+        warm.model, warm.checkpoint, live, **kwargs, logger=logger(__name__)
+    )
     return warm.train
 
 
