@@ -50,7 +50,6 @@ def update_from_file(
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
     rank 0 alone writes the checkpoint.
     """
-
     from grpo_core.memory import PeakMemory
     from grpo_core.trainer import build_optimization
     from grpo_core.trainer_state import rng_state, set_rng_state
