@@ -49,6 +49,18 @@ class Local:
     def rollout_shards(self, n_prompts: int) -> int:
         return 1
 
+    def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
+        """This process's engine ``name`` holding ``policy``'s weights (kept across calls)."""
+        return self.engines.get(
+            name,
+            checkpoint=policy.checkpoint,
+            policy_id=policy.policy_id,
+            model=policy.model,
+            tokenizer=policy.tokenizer,
+            opts=options,
+            check_sync=check_sync,
+        )
+
     def sample(
         self,
         policy: Policy,
@@ -61,15 +73,7 @@ class Local:
         check_sync: bool,
         desc: str,
     ) -> list:
-        eng = self.engines.get(
-            engine,
-            checkpoint=policy.checkpoint,
-            policy_id=policy.policy_id,
-            model=policy.model,
-            tokenizer=policy.tokenizer,
-            opts=engine_options,
-            check_sync=check_sync,
-        )
+        eng = self.engine(policy, engine, engine_options, check_sync=check_sync)
         samples = eng.generate(prompt_ids, params, desc=desc)
         eng.sleep()  # frees accelerator memory for the update where the engine supports it
         return samples

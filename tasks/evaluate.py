@@ -66,14 +66,8 @@ def _evaluate(
     w = warm.get(checkpoint)
     eng = None
     if engine["name"] != "hf":
-        eng = runtime.executor().engines.get(
-            engine["name"],
-            checkpoint=w.checkpoint,
-            policy_id=w.policy_id,
-            model=w.model,
-            tokenizer=w.tokenizer,
-            opts=engine["options"],
-            check_sync=engine["check_sync"],
+        eng = runtime.executor().engine(
+            w, engine["name"], engine["options"], check_sync=engine["check_sync"]
         )
     with timer() as t:
         result = evaluate(
