@@ -90,12 +90,13 @@ def run_rl(args) -> None:
     apply_defaults(args.run_dir, flow_logs=False)
     server = local_server.start()  # as `grpo run`: started before the heavy imports
     set_threads(args.threads)
+    from cluster import process
     from flows.rl import rl_stage
     from tasks import warm
     from tasks.workspace import Workspace
 
     # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/warm.py)
-    warm.configure(cfg.model)
+    process.load_policies_with(cfg.model)
     warm.get(start["checkpoint"])
 
     run_dir = Path(args.run_dir)

@@ -1,9 +1,10 @@
-"""The process's cluster setting, its executor and its Ray connection.
+"""The process's cluster setting, its executor and its Ray connection, kept in
+cluster/process.py (``STATE``).
 
-``configure`` is called once per process by the run context (flows/run_context.py); tasks
-hand their work to ``executor()`` (cluster/executor.py), the local or the Ray one for that
-setting. ``ensure_ray`` connects to (or starts) Ray on first use; Ray is imported only
-there."""
+``configure`` is called once per config by ``process.set_up`` (the run context,
+flows/run_context.py); tasks hand their work to ``executor()`` (cluster/executor.py), the
+local or the Ray one for that setting. ``ensure_ray`` connects to (or starts) Ray on first
+use; Ray is imported only there."""
 
 from __future__ import annotations
 
@@ -12,41 +13,35 @@ import logging
 
 from cluster.config import ClusterConfig
 from cluster.executor import Local, for_config
-
-_current = ClusterConfig()
-_executor: Local | None = None
-_started_here = False
+from cluster.process import STATE
 
 log = logging.getLogger(__name__)
 
 
 def configure(cfg: ClusterConfig) -> None:
-    global _current, _executor
-    if _executor is not None and cfg != _current:
-        _executor.close()  # its engines were started for the other setting
-        _executor = None
-    _current = cfg
+    if STATE.executor is not None and cfg != STATE.cluster:
+        STATE.executor.close()  # its engines were started for the other setting
+        STATE.executor = None
+    STATE.cluster = cfg
 
 
 def current() -> ClusterConfig:
-    return _current
+    return STATE.cluster
 
 
 def executor() -> Local:
     """Where this process's rollouts, scoring and updates run, for the current setting."""
-    global _executor
-    if _executor is None:
-        _executor = for_config(_current)
-    return _executor
+    if STATE.executor is None:
+        STATE.executor = for_config(STATE.cluster)
+    return STATE.executor
 
 
 def ensure_ray(cfg: ClusterConfig | None = None):
     """The ``ray`` module, connected: to ``cfg.address`` when given, else to a local Ray
     started here (stopped when this process exits)."""
-    global _started_here
     import ray
 
-    cfg = cfg or _current
+    cfg = cfg or STATE.cluster
     if ray.is_initialized():
         return ray
     if cfg.address:
@@ -56,7 +51,7 @@ def ensure_ray(cfg: ClusterConfig | None = None):
         from cluster.resources import local_num_cpus
 
         ray.init(num_cpus=local_num_cpus(cfg), include_dashboard=False, log_to_driver=True)
-        _started_here = True
+        STATE.ray_started_here = True
         atexit.register(shutdown)
         log.info("started a local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
     return ray
@@ -64,7 +59,6 @@ def ensure_ray(cfg: ClusterConfig | None = None):
 
 def shutdown() -> None:
     """Disconnect; a local Ray started by ``ensure_ray`` stops with it."""
-    global _started_here
     import sys
 
     replicas = sys.modules.get("cluster.rollout_workers")
@@ -76,4 +70,4 @@ def shutdown() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-    _started_here = False
+    STATE.ray_started_here = False

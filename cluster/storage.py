@@ -31,6 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from cluster.process import STATE
 from grpo_core.io import atomic_path
 
 STORAGE_ENV = "GRPO_STORAGE"
@@ -229,36 +230,33 @@ def _is_temporary(name: str) -> bool:
     return name.startswith(".") and (".tmp-" in name or ".old-" in name)
 
 
-_active: RunStore | None = None
-_from_env: str | None = None
-
-
 def configure(url: str | None, local: str | Path, options: dict[str, Any] | None = None) -> None:
-    """This process's store (None: no shared storage); child processes inherit it."""
-    global _active, _from_env
+    """This process's store (None: no shared storage), kept in cluster/process.py's
+    ``STATE``; child processes inherit it through ``GRPO_STORAGE``. Called by
+    ``process.set_up`` (the run context)."""
     if not url:
-        _active, _from_env = None, None
+        STATE.store, STATE.store_env = None, None
         os.environ.pop(STORAGE_ENV, None)
         return
-    if _active is not None and (_active.url, _active.local, _active.options) == (
+    store = STATE.store
+    if store is not None and (store.url, store.local, store.options) == (
         url.rstrip("/"),
         Path(local).resolve(),
         dict(options or {}),
     ):
         return  # the same store again (each stage command asks): keep what it knows
-    _active = RunStore(url, local, options)
-    _from_env = os.environ[STORAGE_ENV] = _active.as_env()
-    log.info("run folder %s is shared through %s", _active.local, _active.url)
+    STATE.store = RunStore(url, local, options)
+    STATE.store_env = os.environ[STORAGE_ENV] = STATE.store.as_env()
+    log.info("run folder %s is shared through %s", STATE.store.local, STATE.store.url)
 
 
 def active() -> RunStore | None:
     """The configured store, or the one a parent process passed in ``GRPO_STORAGE``."""
-    global _active, _from_env
     spec = os.environ.get(STORAGE_ENV)
-    if spec != _from_env:  # set (or cleared) by the process that started this one
-        _from_env = spec
-        _active = RunStore(**json.loads(spec)) if spec else None
-    return _active
+    if spec != STATE.store_env:  # set (or cleared) by the process that started this one
+        STATE.store_env = spec
+        STATE.store = RunStore(**json.loads(spec)) if spec else None
+    return STATE.store
 
 
 def env() -> dict[str, str]:

@@ -4,10 +4,11 @@ Every entry point opens the run context of its config: ``grpo run`` and the depl
 (flows/r1.py: ``run_pipeline``), the stage commands and flows (flows/stages.py), the
 data-parallel update's ranks (flows/ddp_update.py) and the benchmarks. Opening it:
 
-- creates the run folder (``Workspace.create``: the ``.grpo-run`` marker) and points the
-  process's shared store at ``storage.url`` (cluster/storage.py);
-- sets how policies are loaded (``model.dtype``, ``model.lora``, ...: tasks/warm.py);
-- sets where rollouts and scoring run (``cluster.backend``: cluster/runtime.py);
+- creates the run folder (``Workspace.create``: the ``.grpo-run`` marker);
+- sets the process up (cluster/process.py, the one place of that state): its shared store
+  at ``storage.url`` (cluster/storage.py), how policies are loaded (``model.dtype``,
+  ``model.lora``, ...: tasks/warm.py) and where rollouts, scoring and updates run
+  (``cluster.backend``: cluster/runtime.py);
 - sets the code sandbox's isolation when the config names one (the code rewards of this
   process and of the processes it starts read ``GRPO_SANDBOX_ISOLATION``);
 - sets torch's thread count when ``torch_threads`` is given.
@@ -32,14 +33,17 @@ class RunContext:
 
     @classmethod
     def open(cls, cfg: PipelineConfig) -> RunContext:
-        from cluster import runtime, storage
-        from tasks import warm
+        from cluster import process
 
         ws = Workspace.create(cfg.output_dir, cfg.run_name)
         url = cfg.storage.url and f"{cfg.storage.url.rstrip('/')}/{cfg.run_name}"
-        storage.configure(url, ws.root, cfg.storage.options)
-        warm.configure(cfg.model)
-        runtime.configure(cfg.cluster)
+        process.set_up(
+            cluster=cfg.cluster,
+            model=cfg.model,
+            store_url=url,
+            local=ws.root,
+            store_options=cfg.storage.options,
+        )
         if "sandbox" in cfg.model_fields_set:
             from grpo_core.rewards.isolation import ISOLATION_ENV
 

@@ -12,7 +12,7 @@ import math
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from cluster import storage
+from cluster import process, storage
 from grpo_core.checkpoint import policy_id, save_checkpoint
 from grpo_core.config import RLConfig
 from grpo_core.old_logprobs import old_logprobs_source
@@ -237,7 +237,7 @@ def _shard(dp, w) -> None:
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`update_from_file` with this rank's ``data_parallel``."""
-    warm.configure(model_options)
+    process.load_policies_with(model_options)
     return update_from_file(**kwargs, data_parallel=data_parallel)
 
 

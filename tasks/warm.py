@@ -12,9 +12,10 @@ state only when it is the one saved at that checkpoint and step, loads it from d
 otherwise, and starts fresh at a stage's first step.
 
 How a policy is loaded (``model.dtype``, ``attn_implementation``, ``gradient_checkpointing``,
-``lora``, ``load_in_4bit``) is set once per process by :func:`configure` (the prepare task
-and the single-stage flows call it with the run's ``model`` section); every load here
-honours it, and :func:`options_key` puts what changes results into the stage cache keys.
+``lora``, ``load_in_4bit``) is the process's setup (cluster/process.py: ``STATE.model``, set
+by the run context); every load here honours it, a model in memory that was loaded with other
+options is not reused, and :func:`options_key` puts what changes results into the stage cache
+keys.
 With ``model.lora``, a task that trains names the checkpoint its adapter sits on
 (``lora_base``: the stage's initial checkpoint): the policy is that base with a LoRA adapter
 (fresh at the stage's first step, else the checkpoint's ``adapter/``), and the reference
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cluster.process import STATE
 from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint, policy_id
 from grpo_core.config import ModelConfig
@@ -52,44 +54,49 @@ class WarmPolicy:
     tokenizer: object
     train: TrainState | None = None  # set by the RL update; dropped by anything else training
     extra: dict = field(default_factory=dict)
+    loaded_with: dict = field(default_factory=lambda: _loading())  # the options it was loaded with
 
 
 _WARM: dict[str, WarmPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0}
-_OPTIONS = {"model": ModelConfig()}  # how policies are loaded in this process
-
-
-def configure(model: ModelConfig) -> None:
-    """Load every policy of this process with ``model``'s options; a change of options
-    drops the warm models (they were loaded with the old ones)."""
-    with _LOCK:
-        if _OPTIONS["model"].model_dump(exclude={"source", "path", "demo"}) != model.model_dump(
-            exclude={"source", "path", "demo"}
-        ):
-            _WARM.clear()
-        _OPTIONS["model"] = model
 
 
 def options() -> ModelConfig:
-    return _OPTIONS["model"]
+    """How this process loads policies (its setup's ``model`` section)."""
+    return STATE.model
+
+
+def _loading() -> dict:
+    """The model section's options that decide how a checkpoint loads (not where from)."""
+    return STATE.model.model_dump(exclude={"source", "path", "demo"})
 
 
 def options_key() -> dict | None:
     """The load options that change a stage's outputs, or None when they are the defaults
     (so the keys of a run that sets none stay what they were)."""
-    opts = _OPTIONS["model"].load_options()
+    opts = STATE.model.load_options()
     return None if opts == ModelConfig().load_options() else opts
 
 
 def _load(checkpoint: Path):
-    return load_checkpoint(checkpoint, **_OPTIONS["model"].load_kwargs())
+    return load_checkpoint(checkpoint, **STATE.model.load_kwargs())
+
+
+def _cached(slot: str) -> WarmPolicy | None:
+    """The model in ``slot``, unless it was loaded with other options than today's (then it
+    is dropped: a new setup loads anew)."""
+    warm = _WARM.get(slot)
+    if warm is not None and warm.loaded_with != _loading():
+        _WARM.clear()
+        return None
+    return warm
 
 
 def _with_adapter(warm: WarmPolicy | None, checkpoint: Path, pid: str, base: Path) -> WarmPolicy:
     """The policy of ``checkpoint`` as a LoRA adapter on ``base``: the warm model when it
     already is that, the warm model (merged) with a fresh adapter when ``checkpoint`` is the
     base itself, else loaded from disk (the base plus the checkpoint's ``adapter/``)."""
-    cfg = _OPTIONS["model"]
+    cfg = STATE.model
     base_id = policy_id(base)
     if warm is not None and warm.extra.get("lora_base_id") == base_id:
         return warm
@@ -162,9 +169,9 @@ def get(
     """
     checkpoint = Path(checkpoint)
     pid = policy_id(checkpoint)
-    train_lora = lora_base is not None and _OPTIONS["model"].lora is not None
+    train_lora = lora_base is not None and STATE.model.lora is not None
     with _LOCK:
-        warm = _WARM.get(slot)
+        warm = _cached(slot)
         if warm is not None and warm.policy_id == pid:
             STATS["hits"] += 1
             warm.checkpoint = checkpoint
@@ -217,7 +224,7 @@ def relabel(checkpoint: str | Path, slot: str = "policy") -> None:
     (a copy of the checkpoint it came from); loads nothing when no model is warm."""
     checkpoint = Path(checkpoint)
     with _LOCK:
-        warm = _WARM.get(slot)
+        warm = _cached(slot)
         if warm is not None and warm.policy_id == policy_id(checkpoint):
             warm.checkpoint = checkpoint
 

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from cluster import process
 from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint, model_files, policy_id, save_checkpoint
 from grpo_core.config import LoraConfig, ModelConfig
@@ -98,7 +99,7 @@ def test_sync_sends_merged_weights_under_base_names(tiny_checkpoint):
 def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_checkpoint):
     warm.clear()
     try:
-        warm.configure(ModelConfig(lora=CFG.model_dump()))
+        process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
         w = warm.get(tiny_checkpoint, mutate=True, lora_base=tiny_checkpoint)
         assert lora.is_peft(w.model)
         assert w.extra["lora_base_id"] == policy_id(tiny_checkpoint)
@@ -129,7 +130,7 @@ def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_chec
             if "lora_" not in k and "base_layer" not in k:
                 assert torch.equal(v, merged[k]), k
     finally:
-        warm.configure(ModelConfig())
+        process.load_policies_with(ModelConfig())
         warm.clear()
 
 
@@ -138,7 +139,7 @@ def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
 
     warm.clear()
     try:
-        warm.configure(ModelConfig(lora=CFG.model_dump()))
+        process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
         model, tok = load_checkpoint(tiny_checkpoint)
         with torch.no_grad():
             next(model.parameters()).add_(0.1)
@@ -146,7 +147,7 @@ def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
         with pytest.raises(UserError, match="no adapter/ folder"):
             warm.get(other, mutate=True, lora_base=tiny_checkpoint)
     finally:
-        warm.configure(ModelConfig())
+        process.load_policies_with(ModelConfig())
         warm.clear()
 
 

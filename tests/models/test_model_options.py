@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cluster import process
 from grpo_core.checkpoint import load_checkpoint, resolve_model_path
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
@@ -27,13 +28,13 @@ def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
 
 def test_warm_policy_honours_configured_options(tiny_checkpoint):
     try:
-        warm.configure(ModelConfig(dtype="bfloat16", attn_implementation="eager"))
+        process.load_policies_with(ModelConfig(dtype="bfloat16", attn_implementation="eager"))
         w = warm.get(tiny_checkpoint)
         assert next(w.model.parameters()).dtype == torch.bfloat16
         assert w.model.config._attn_implementation == "eager"
         assert warm.options_key()["dtype"] == "bfloat16"
     finally:
-        warm.configure(ModelConfig())
+        process.load_policies_with(ModelConfig())
         warm.clear()
     assert warm.options_key() is None  # defaults leave the cache keys as they were
 
@@ -94,12 +95,12 @@ def test_device_placement(tiny_checkpoint):
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="model.device: 'cuda'.*no CUDA device"):
             load_checkpoint(tiny_checkpoint, device="cuda")
-        warm.configure(ModelConfig(device="cuda"))
+        process.load_policies_with(ModelConfig(device="cuda"))
         try:
             with pytest.raises(UserError, match="model.device"):
                 warm.get(tiny_checkpoint)
         finally:
-            warm.configure(ModelConfig())
+            process.load_policies_with(ModelConfig())
 
 
 def test_config_validation():

@@ -10,6 +10,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from cluster import process
 from flows.config import CHECKPOINT_STAGES, load_config
 from grpo_core.checkpoint import policy_id
 from tasks import warm
@@ -73,7 +74,7 @@ def test_r1_recipe_on_smollm2(
     try:
         summary = r1_pipeline(cfg)
     finally:
-        warm.configure(type(cfg.model)())
+        process.load_policies_with(type(cfg.model)())
         warm.clear()
     assert [r["stage"] for r in summary["stages"]] == list(CHECKPOINT_STAGES)
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
