@@ -272,6 +272,8 @@ def _tests_namespace(link, names, first, emit):
 
 
 def _run_tests(tests, tests_error, tns, payload, link, emit):
+    """Run the setup and the tests in ``tns``: a failing ``asserts`` entry is that assert's
+    failure; any other exception is a ``tests`` failure, and no later test runs."""
     try:
         if tests_error is not None:
             raise RuntimeError(tests_error)
