@@ -1,5 +1,6 @@
 """What both sides of benchmarks/bench_vs_trl.py share: the config they read, thread
-settings, the held-out evaluation of final weights, peak memory and the JSON hand-back.
+settings, the held-out evaluation of final weights, peak memory and the JSON hand-back; and
+the timed ``grpo`` command of the benchmarks that run the CLI (bench_cluster, bench_rerun).
 
 Each side runs in its own child process (``python benchmarks/_our_side.py ...``,
 ``python benchmarks/_trl_side.py ...``) so that its peak RSS is its own.
@@ -11,7 +12,9 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,3 +85,20 @@ def write_result(path: str, result: dict) -> None:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(target)
+
+
+def timed_cli(
+    workdir: Path, cli_args: list[str], sets: list[str], log: Path, env: dict | None = None
+) -> tuple[float, str]:
+    """``grpo <cli_args> --set S ...`` (``python -m flows.cli``, this checkout first on the
+    path, ``env`` added) in ``workdir``: its wall seconds and output, which is also written
+    to ``log``. Exits when the command fails."""
+    cmd = [sys.executable, "-m", "flows.cli", *cli_args, *[a for s in sets for a in ("--set", s)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    log.write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        sys.exit(f"grpo run failed (rc {proc.returncode}); log: {log}")
+    return wall, proc.stdout + proc.stderr

@@ -129,25 +129,9 @@ def grpo_config(cfg, run_dir: str):
     )
 
 
-def main() -> None:
-    args = side_args(__doc__.split("\n\n")[0])
-    cfg = load(args.config, args.set)
-    start = json.loads(Path(args.start).read_text())
-    from flows.env import apply_defaults
-
-    apply_defaults(args.run_dir, flow_logs=False)
-    set_threads(args.threads)
-    import datasets
+def _optimizer_clock(clock: Clock):
+    """A trainer callback that adds each optimizer step's seconds to ``clock``."""
     from transformers import TrainerCallback
-    from trl import GRPOTrainer
-
-    from grpo_core import rewards
-    from grpo_core.checkpoint import load_checkpoint
-
-    model, tokenizer = load_checkpoint(start["checkpoint"])
-    rows = training_prompts(cfg, start, tokenizer)
-    funcs = [rewards.get(name) for name in cfg.rewards]
-    clock = Clock()
 
     class OptimizerClock(TrainerCallback):
         t0 = 0.0
@@ -158,19 +142,18 @@ def main() -> None:
         def on_optimizer_step(self, *a, **kw):
             clock.add("optimizer", time.perf_counter() - OptimizerClock.t0)
 
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=funcs,
-        args=grpo_config(cfg, args.run_dir),
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=tokenizer,
-        callbacks=[OptimizerClock()],
-    )
-    seen: list[str] = []  # the prompts of each generation batch, once per group
+    return OptimizerClock()
+
+
+def _instrument(trainer, clock: Clock, num_generations: int) -> tuple[list[str], dict]:
+    """Time the trainer's generation, rewards and training steps on ``clock``. Returns the
+    prompts of each generation batch (once per group) and the completion-token count, both
+    filled in as the trainer runs."""
+    seen: list[str] = []
     generate = trainer._generate
 
     def recorded(prompts, *a, **kw):
-        seen.extend(prompts[:: cfg.rl.num_generations])
+        seen.extend(prompts[::num_generations])
         return generate(prompts, *a, **kw)
 
     trainer._generate = recorded
@@ -186,26 +169,62 @@ def main() -> None:
         return out
 
     trainer._generate_and_score_completions = count
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    rss = peak_rss_mib()
+    return seen, tokens
+
+
+def _phase_seconds(clock: Clock, wall: float) -> dict[str, float]:
     s = clock.seconds
     gen, score = s.get("generation", 0.0), s.get("score", 0.0)
     # training_step holds generation and scoring (every steps_per_generation steps), the
     # old log-probs, the loss and backward; the optimizer step is outside it
     update = s.get("training_step", 0.0) - gen - score + s.get("optimizer", 0.0)
+    return {
+        "wall_s": wall,
+        "generation_s": gen,
+        "score_s": score,
+        "update_s": update,
+        "other_s": wall - gen - score - update,
+    }
+
+
+def main() -> None:
+    args = side_args(__doc__.split("\n\n")[0])
+    cfg = load(args.config, args.set)
+    start = json.loads(Path(args.start).read_text())
+    from flows.env import apply_defaults
+
+    apply_defaults(args.run_dir, flow_logs=False)
+    set_threads(args.threads)
+    import datasets
+    from trl import GRPOTrainer
+
+    from grpo_core import rewards
+    from grpo_core.checkpoint import load_checkpoint
+
+    model, tokenizer = load_checkpoint(start["checkpoint"])
+    rows = training_prompts(cfg, start, tokenizer)
+    funcs = [rewards.get(name) for name in cfg.rewards]
+    clock = Clock()
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=funcs,
+        args=grpo_config(cfg, args.run_dir),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer,
+        callbacks=[_optimizer_clock(clock)],
+    )
+    seen, tokens = _instrument(trainer, clock, cfg.rl.num_generations)
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    rss = peak_rss_mib()
     acc = heldout_accuracy(trainer.model, tokenizer, cfg, start["eval"])
     write_result(
         args.out,
         {
             "side": "trl",
             "seed": cfg.seed,
-            "wall_s": wall,
-            "generation_s": gen,
-            "score_s": score,
-            "update_s": update,
-            "other_s": wall - gen - score - update,
+            **_phase_seconds(clock, wall),
             "completion_tokens": tokens["completion"],
             "trained_tokens": tokens["completion"],
             "optimizer_steps": trainer.state.global_step,

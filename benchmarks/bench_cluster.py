@@ -16,16 +16,16 @@ quiet machine, everything is wall-clock time.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import timed_cli  # noqa: E402
+
 ROLES = ("rollout", "trainer", "scoring")
 BUDGET = [
     "sft.max_steps=40",
@@ -52,16 +52,8 @@ def settings(ray_cpus: int) -> dict[str, list[str]]:
 
 
 def grpo_run(workdir: Path, sets: list[str], log: Path) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "flows.cli", "run", "--force", "rl_1"]
-    cmd += [a for s in sets for a in ("--set", s)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, check=False)
-    wall = time.perf_counter() - t0
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        sys.exit(f"grpo run failed (rc {proc.returncode}); log: {log}")
-    return wall, proc.stdout + proc.stderr
+    env = {"OMP_NUM_THREADS": "1"}
+    return timed_cli(workdir, ["run", "--force", "rl_1"], sets, log, env)
 
 
 def _seconds(h: str, m: str, s: str) -> float:

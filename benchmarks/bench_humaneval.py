@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 from importlib import resources
 from pathlib import Path
 
@@ -66,25 +67,16 @@ def main() -> None:
     rows, notes = [], []
     for iso_name in args.isolation:
         mode = detect_isolation(iso_name).mode
-        t0 = time.perf_counter()
-        canon = run_many(
-            jobs(problems, None),
-            limits=limits,
-            workers=args.workers,
-            progress=False,
-            isolation=iso_name,
+        run = partial(
+            run_many, limits=limits, workers=args.workers, progress=False, isolation=iso_name
         )
+        t0 = time.perf_counter()
+        canon = run(jobs(problems, None))
         wall = time.perf_counter() - t0
         full = sum(r.fraction == 1.0 for r in canon)
         stubs = {}
         for body in ("return None", "pass"):
-            res = run_many(
-                jobs(problems, body),
-                limits=limits,
-                workers=args.workers,
-                progress=False,
-                isolation=iso_name,
-            )
+            res = run(jobs(problems, body))
             stubs[body] = [(p["task_id"], r) for p, r in zip(problems, res, strict=True)]
         above = {b: [(t, r) for t, r in s if r.fraction > 0] for b, s in stubs.items()}
         rows.append((mode, wall, full, len(problems), *(len(v) for v in above.values())))

@@ -12,16 +12,14 @@ Run it on a quiet machine: everything here is wall-clock time.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _bench_common import timed_cli  # noqa: E402 (puts this checkout on the path too)
 
 from flows.config import STAGE_NAMES  # noqa: E402
 
@@ -29,15 +27,7 @@ REWARDS = "rewards={accuracy: 1.0, format: 0.2}"  # demo default: {accuracy: 1.0
 
 
 def grpo_run(workdir: Path, sets: list[str], log: Path) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "flows.cli", "run", *[a for s in sets for a in ("--set", s)]]
-    t0 = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env, check=False)
-    wall = time.perf_counter() - t0
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        sys.exit(f"grpo run failed (rc {proc.returncode}); log: {log}")
-    return wall, proc.stdout + proc.stderr
+    return timed_cli(workdir, ["run"], sets, log)
 
 
 def reused(log: str) -> str:

@@ -14,7 +14,7 @@ from pydantic import Field
 from grpo_core.section import Section
 
 
-class WorkerGroup(Section):
+class WorkerSettings(Section):
     """How many workers a role gets and what each one reserves on the cluster."""
 
     workers: int = Field(1, ge=1, description="Ray workers (actors or tasks) for this role")
@@ -22,7 +22,9 @@ class WorkerGroup(Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs each worker reserves")
 
 
-class TrainerGroup(WorkerGroup):
+class TrainerSettings(WorkerSettings):
+    """The trainer role's workers and how its ranks train together."""
+
     dist_backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend of the trainer ranks (nccl on GPUs)"
     )
@@ -41,9 +43,9 @@ class ClusterConfig(Section):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of the local Ray started when address is empty"
     )
-    rollout: WorkerGroup = WorkerGroup()
-    trainer: TrainerGroup = TrainerGroup()
-    scoring: WorkerGroup = WorkerGroup()
+    rollout: WorkerSettings = WorkerSettings()
+    trainer: TrainerSettings = TrainerSettings()
+    scoring: WorkerSettings = WorkerSettings()
 
     @property
     def uses_ray(self) -> bool:

@@ -88,9 +88,9 @@ class Local:
         group_ids: Sequence[Any],
         build: Callable[[], Mapping[str, Callable]],
     ):
-        from grpo_core import rewards
+        from cluster.scoring import score_here
 
-        return rewards.score_completions(prompts, completions, columns, weights, functions=build())
+        return score_here(prompts, completions, columns, weights, build)
 
     def update(
         self,

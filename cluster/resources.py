@@ -12,13 +12,13 @@ import math
 import os
 import sys
 
-from cluster.config import ClusterConfig, WorkerGroup
+from cluster.config import ClusterConfig, WorkerSettings
 from grpo_core.errors import UserError
 
 RESOURCES = ("CPU", "GPU")
 
 
-def _each(group: WorkerGroup, res: str) -> float:
+def _each(group: WorkerSettings, res: str) -> float:
     return group.num_cpus if res == "CPU" else group.num_gpus
 
 
@@ -40,7 +40,7 @@ def held(*, besides: str) -> dict[str, float]:
     return out
 
 
-def shortfall(ray, role: str, group: WorkerGroup, n: int) -> str | None:
+def shortfall(ray, role: str, group: WorkerSettings, n: int) -> str | None:
     """Why ``n`` workers of ``group`` could never run at once on this Ray cluster beside the
     other roles of this process, or None when they fit."""
     total = ray.cluster_resources()
@@ -58,7 +58,7 @@ def shortfall(ray, role: str, group: WorkerGroup, n: int) -> str | None:
     return None
 
 
-def check(ray, role: str, group: WorkerGroup, n: int) -> None:
+def check(ray, role: str, group: WorkerSettings, n: int) -> None:
     """:func:`shortfall` as a :class:`UserError`."""
     why = shortfall(ray, role, group, n)
     if why:

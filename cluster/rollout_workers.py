@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cluster import resources
-from cluster.config import ClusterConfig, WorkerGroup
+from cluster.config import ClusterConfig, WorkerSettings
 
 if TYPE_CHECKING:
     from grpo_core.generation import Sample, SamplingParams
@@ -123,7 +123,7 @@ class Replica:
         return os.getpid()
 
 
-def actor_options(group: WorkerGroup) -> dict:
+def actor_options(group: WorkerSettings) -> dict:
     """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
     driver's value when set, else 1 (a few replicas share a machine's cores), and the run's
     shared store (cluster/storage.py)."""
@@ -143,7 +143,7 @@ class RolloutGroup:
     def __init__(
         self,
         ray,
-        group: WorkerGroup,
+        group: WorkerSettings,
         *,
         engine: str,
         engine_options: Mapping | None,

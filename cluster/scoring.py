@@ -36,7 +36,9 @@ def group_shards(group_ids: Sequence[Any], n_shards: int) -> list[tuple[int, int
     return [(bounds[a], bounds[b]) for a, b in shards(len(starts), n_shards)]
 
 
-def _score_shard(prompts, completions, columns, weights, build):
+def score_here(prompts, completions, columns, weights, build):
+    """``score_completions`` with the functions ``build`` makes, in this process: one Ray
+    task's shard, or every row with the local backend."""
     from grpo_core import rewards
 
     return rewards.score_completions(prompts, completions, columns, weights, functions=build())
@@ -60,7 +62,7 @@ def score_sharded(
     ray = ensure_ray(cfg)
     resources.check(ray, "scoring", cfg.scoring, 1)  # one task at least must fit
     ranges = group_shards(list(group_ids), cfg.scoring.workers)
-    remote = ray.remote(_score_shard).options(
+    remote = ray.remote(score_here).options(
         num_cpus=cfg.scoring.num_cpus, num_gpus=cfg.scoring.num_gpus, max_retries=1
     )  # a task whose worker process died runs once more (scoring is deterministic)
     calls = [

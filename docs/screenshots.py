@@ -157,17 +157,10 @@ def take(b, name: str, run: dict) -> str | None:
         b.wait_text("summary", timeout=60)
         _settle(b)
     elif name == "prefect-stage-artifact":
-        if not run["stage_artifact"]:
-            return "no stage summary artifact"
-        b.open(run["stage_artifact"])
-        b.wait_text("MLflow run:", timeout=60)
-        _settle(b)
+        return _open_if_any(b, run["stage_artifact"], "no stage summary artifact", "MLflow run:")
     elif name == "prefect-pipeline-summary":
-        if not run["pipeline_artifact"]:
-            return "no pipeline summary artifact"
-        b.open(run["pipeline_artifact"])
-        b.wait_text(rn, "MLflow parent run", timeout=60)
-        _settle(b)
+        why = "no pipeline summary artifact"
+        return _open_if_any(b, run["pipeline_artifact"], why, rn, "MLflow parent run")
     elif name == "mlflow-runs":
         b.open(run["experiment"])
         b.wait_text("Run Name", rn, timeout=60)
@@ -190,11 +183,19 @@ def take(b, name: str, run: dict) -> str | None:
         b.wait_css(CHART_CARD, timeout=60)
         _settle(b, 2)
     elif name == "mlflow-completions":
-        if not run["completions"]:
-            return "the RL stage run has no samples/*.json table"
-        b.open(run["completions"])
-        b.wait_text(run["completions_path"], "completion", timeout=60)
-        _settle(b)
+        why = "the RL stage run has no samples/*.json table"
+        return _open_if_any(b, run["completions"], why, run["completions_path"], "completion")
+    return None
+
+
+def _open_if_any(b, url: str | None, missing: str, *texts: str) -> str | None:
+    """Open a page the run may not have (``missing``: why the shot is skipped then) and wait
+    for ``texts`` on it."""
+    if not url:
+        return missing
+    b.open(url)
+    b.wait_text(*texts, timeout=60)
+    _settle(b)
     return None
 
 

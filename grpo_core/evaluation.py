@@ -125,6 +125,61 @@ def _context(model, engine) -> int | None:
     return model_context(config) if config is not None else None
 
 
+def _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc):
+    """The samples, prompt-major: by ``engine`` when given, else HF generate."""
+    if engine is not None:
+        return engine.generate(prompt_ids, params, desc=desc)
+    return generate(
+        model,
+        prompt_ids,
+        params,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_ids=tokenizer.eos_token_id,
+        batch_size=batch_size,
+        desc=desc,
+    )
+
+
+def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples):
+    """One dict per example and sample (the eval table)."""
+    texts = {i: prompt_text(tokenizer, r["prompt"]) for i, r in enumerate(rows)}
+    return [
+        {
+            "prompt": texts[j // k],
+            "sample_idx": j % k,
+            "completion": c,
+            "answer": r.get("answer"),
+            "correct": ok,
+            "score": sc,
+            "formatted": f,
+            "length": n,
+            "finish_reason": s.finish_reason,
+        }
+        for j, (r, c, ok, sc, f, n, s) in enumerate(
+            zip(flat_rows, completions, correct, score, fmt, lengths, samples, strict=True)
+        )
+    ]
+
+
+def _add_k_sample_metrics(
+    result: EvalResult, correct: list[float], completions: list[str], accuracy_reward: str
+) -> None:
+    """pass@k and (where the reward extracts an answer) maj@k over each row's k samples."""
+    k, n_problems = result.num_samples, result.num_examples
+    per_problem = [correct[i * k : (i + 1) * k] for i in range(n_problems)]
+    result.pass_at_k = sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / n_problems
+    extract = ANSWER_EXTRACTORS.get(accuracy_reward)
+    if extract is not None:
+        votes = [
+            majority_correct(
+                [extract(c) for c in completions[i * k : (i + 1) * k]],
+                [bool(x) for x in per_problem[i]],
+            )
+            for i in range(n_problems)
+        ]
+        result.maj_at_k = sum(votes) / n_problems
+
+
 def evaluate(
     model,
     tokenizer,
@@ -156,18 +211,7 @@ def evaluate(
         field="eval.max_completion_length", source=desc,
     )  # fmt: skip
     params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    if engine is not None:
-        samples = engine.generate(prompt_ids, params, desc=desc)
-    else:
-        samples = generate(
-            model,
-            prompt_ids,
-            params,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=tokenizer.eos_token_id,
-            batch_size=batch_size,
-            desc=desc,
-        )
+    samples = _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc)
     # samples are prompt-major: row i's k samples are samples[i*k : (i+1)*k]
     flat_rows = [r for r in rows for _ in range(k)]
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]
@@ -181,38 +225,13 @@ def evaluate(
     correct = [1.0 if v >= FULL_CREDIT else 0.0 for v in score]
     fmt = [v or 0.0 for v in scored.per_function[format_reward]]
     lengths = [len(s.completion_ids) for s in samples]
-    texts = {i: prompt_text(tokenizer, r["prompt"]) for i, r in enumerate(rows)}
-    table = [
-        {
-            "prompt": texts[j // k],
-            "sample_idx": j % k,
-            "completion": c,
-            "answer": r.get("answer"),
-            "correct": ok,
-            "score": sc,
-            "formatted": f,
-            "length": n,
-            "finish_reason": s.finish_reason,
-        }
-        for j, (r, c, ok, sc, f, n, s) in enumerate(
-            zip(flat_rows, completions, correct, score, fmt, lengths, samples, strict=True)
-        )
-    ]
+    table = _table(
+        tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples
+    )
     n_rows = len(table)
     result = EvalResult(
         sum(correct) / n_rows, sum(fmt) / n_rows, sum(lengths) / n_rows, len(rows), table, k
     )
     if k > 1:
-        per_problem = [correct[i * k : (i + 1) * k] for i in range(len(rows))]
-        result.pass_at_k = sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / len(rows)
-        extract = ANSWER_EXTRACTORS.get(accuracy_reward)
-        if extract is not None:
-            votes = [
-                majority_correct(
-                    [extract(c) for c in completions[i * k : (i + 1) * k]],
-                    [bool(x) for x in per_problem[i]],
-                )
-                for i in range(len(rows))
-            ]
-            result.maj_at_k = sum(votes) / len(rows)
+        _add_k_sample_metrics(result, correct, completions, accuracy_reward)
     return result

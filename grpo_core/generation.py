@@ -87,6 +87,73 @@ def _keeps_last_logits(model) -> bool:
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
+def _left_pad(
+    prompts: list[list[int]], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts left-padded to the longest: input ids and attention mask, [B, L] each."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, L - len(p) :] = torch.tensor(p)
+        attn[i, L - len(p) :] = 1
+    return input_ids.to(device), attn.to(device)
+
+
+def _next_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: the argmax (temperature 0) or a sample of the temperature-scaled,
+    filtered distribution. Returns (logprobs [b, V] of that distribution, tokens [b])."""
+    if params.temperature == 0:
+        return logits.log_softmax(-1), logits.argmax(-1)
+    scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+    logprobs = scaled.log_softmax(-1)  # [b, V]
+    return logprobs, torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+
+
+class _Completions:
+    """A micro-batch's completions as they are sampled, on the device: tokens and logprobs
+    [B, max_new_tokens], and each sequence's length and whether it stopped (else: length)."""
+
+    def __init__(self, B: int, max_new_tokens: int, pad_id: int, device: torch.device):
+        self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        self.lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
+        self.stopped = torch.zeros(B, dtype=torch.bool, device=device)
+
+    def record(self, t: int, rows, done, tok, logprobs) -> None:
+        """Step ``t``'s token and its logprob for the rows not done yet."""
+        live = rows[~done]
+        self.tokens[live, t] = tok[~done]
+        self.logp[live, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1)[~done]
+
+    def stop(self, t: int, rows) -> None:
+        """These rows stopped at step ``t`` (their token of that step is kept)."""
+        self.lengths[rows] = t + 1
+        self.stopped[rows] = True
+
+    def lists(self) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        completions, logps, reasons = [], [], []
+        for i in range(len(self.lengths)):
+            n = int(self.lengths[i])
+            completions.append(self.tokens[i, :n].tolist())
+            logps.append(self.logp[i, :n].tolist())
+            reasons.append("stop" if bool(self.stopped[i]) else "length")
+        return completions, logps, reasons
+
+
+def _stop_string_hits(stop_hits, gen: list[list[int]], rows, active, tok, device) -> torch.Tensor:
+    """Append each active row's token to its completion so far (``gen``) and say which rows'
+    completions now contain a stop string. rows, active, tok: [b]; returns [b] bool."""
+    row_list, active_list = rows.tolist(), active.tolist()
+    for r, a, tk in zip(row_list, active_list, tok.tolist(), strict=True):
+        if a:
+            gen[r].append(tk)
+    hits = stop_hits([gen[r] if a else [] for r, a in zip(row_list, active_list, strict=True)])
+    return torch.tensor(hits, dtype=torch.bool, device=device)
+
+
 @torch.no_grad()
 def _generate_batch(
     model: PreTrainedModel,
@@ -99,21 +166,11 @@ def _generate_batch(
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     device = model.device
     B = len(prompts)
-    L = max(len(p) for p in prompts)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding
-        input_ids[i, L - len(p) :] = torch.tensor(p)
-        attn[i, L - len(p) :] = 1
-    input_ids, attn = input_ids.to(device), attn.to(device)
+    input_ids, attn = _left_pad(prompts, pad_id, device)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
     cache = DynamicCache()
     eos = torch.tensor(sorted(eos_ids), device=device)
-
-    out_tokens = torch.full((B, params.max_new_tokens), pad_id, dtype=torch.long, device=device)
-    out_logp = torch.zeros((B, params.max_new_tokens), dtype=torch.float32, device=device)
-    lengths = torch.full((B,), params.max_new_tokens, dtype=torch.long, device=device)
-    stopped = torch.zeros(B, dtype=torch.bool, device=device)
+    out = _Completions(B, params.max_new_tokens, pad_id, device)
     gen: list[list[int]] = [[] for _ in range(B)]  # completions so far (stop strings)
     # the rows still in the batch (finished ones are dropped, KV cache included): their
     # index in the micro-batch, whether each has finished, and the tokens each has seen
@@ -137,37 +194,19 @@ def _generate_batch(
             .float()
         )  # [b, V]
         if params.repetition_penalty != 1.0:
-            if seen is None:
+            if seen is None:  # the first step: attn is the prompts' mask
                 counts = torch.zeros(logits.shape, dtype=torch.long, device=device)  # [B, V]
-                seen = counts.scatter_add_(1, input_ids, attn[:, :L]) > 0  # prompt, no padding
+                seen = counts.scatter_add_(1, input_ids, attn) > 0  # prompt, no padding
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
-        if params.temperature == 0:
-            logprobs = logits.log_softmax(-1)  # [b, V]
-            tok = logits.argmax(-1)  # [b]
-        else:
-            scaled = _filter_logits(
-                logits / params.temperature, params.top_k, params.top_p, params.min_p
-            )
-            logprobs = scaled.log_softmax(-1)  # [b, V]
-            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)  # [b]
+        logprobs, tok = _next_tokens(logits, params, generator)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        live = rows[~done]
-        out_tokens[live, t] = tok[~done]
-        out_logp[live, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1)[~done]
+        out.record(t, rows, done, tok, logprobs)
         hit_eos = torch.isin(tok, eos) & ~done
         if seen is not None:
             seen.scatter_(1, tok[:, None], (~done)[:, None])
         if stop_hits is not None:
-            active = (~done & ~hit_eos).tolist()
-            for r, a, tk in zip(rows.tolist(), active, tok.tolist(), strict=True):
-                if a:
-                    gen[r].append(tk)
-            hits = stop_hits(
-                [gen[r] if a else [] for r, a in zip(rows.tolist(), active, strict=True)]
-            )
-            hit_eos |= torch.tensor(hits, dtype=torch.bool, device=device)
-        lengths[rows[hit_eos]] = t + 1
-        stopped[rows[hit_eos]] = True
+            hit_eos |= _stop_string_hits(stop_hits, gen, rows, ~done & ~hit_eos, tok, device)
+        out.stop(t, rows[hit_eos])
         done |= hit_eos
         if bool(done.all()):
             break
@@ -180,14 +219,7 @@ def _generate_batch(
             step_ids, step_pos = step_ids[keep], step_pos[keep]
             seen = None if seen is None else seen[keep]
         attn = torch.cat([attn, (~done).long()[:, None]], dim=1)  # [b, L+t+1]
-
-    completions, logps, reasons = [], [], []
-    for i in range(B):
-        n = int(lengths[i])
-        completions.append(out_tokens[i, :n].tolist())
-        logps.append(out_logp[i, :n].tolist())
-        reasons.append("stop" if bool(stopped[i]) else "length")
-    return completions, logps, reasons
+    return out.lists()
 
 
 def stop_string_matcher(

@@ -9,7 +9,11 @@ a problem.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
+
+P = TypeVar("P")  # one problem, as the split's maker draws it
 
 
 def worked_trace(a: int, b: int) -> str:
@@ -62,19 +66,41 @@ def make_splits(
             seen.add(p)
             pairs.append(p)
 
-    def rows(chunk: list[tuple[int, int]], with_completion: bool) -> list[dict]:
+    return split_rows(
+        pairs,
+        n_eval=n_eval,
+        n_dev=n_dev,
+        n_sft=n_sft,
+        row=lambda ab: {"prompt": prompt_messages(*ab), "answer": str(ab[0] + ab[1])},
+        completion=lambda ab: worked_trace(*ab),
+    )
+
+
+def split_rows(
+    problems: Sequence[P],
+    *,
+    n_eval: int,
+    n_dev: int,
+    n_sft: int,
+    row: Callable[[P], dict],
+    completion: Callable[[P], str],
+) -> DemoSplits:
+    """``problems`` cut in order into the eval, dev, SFT and RL splits (the rest), each
+    problem a row ``row(problem)``; SFT rows also carry ``completion(problem)``."""
+
+    def rows(chunk: Sequence[P], with_completion: bool) -> list[dict]:
         out = []
-        for a, b in chunk:
-            row = {"prompt": prompt_messages(a, b), "answer": str(a + b)}
+        for problem in chunk:
+            r = row(problem)
             if with_completion:
-                row["completion"] = worked_trace(a, b)
-            out.append(row)
+                r["completion"] = completion(problem)
+            out.append(r)
         return out
 
     cuts = [n_eval, n_eval + n_dev, n_eval + n_dev + n_sft]
     return DemoSplits(
-        eval=rows(pairs[: cuts[0]], False),
-        dev=rows(pairs[cuts[0] : cuts[1]], False),
-        sft=rows(pairs[cuts[1] : cuts[2]], True),
-        rl=rows(pairs[cuts[2] :], False),
+        eval=rows(problems[: cuts[0]], False),
+        dev=rows(problems[cuts[0] : cuts[1]], False),
+        sft=rows(problems[cuts[1] : cuts[2]], True),
+        rl=rows(problems[cuts[2] :], False),
     )

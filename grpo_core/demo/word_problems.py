@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from grpo_core.demo.task import DemoSplits
+from grpo_core.demo.task import DemoSplits, split_rows
 
 NAMES = [
     ("Mia", "She"),
@@ -108,21 +108,13 @@ def make_splits(
         seen.add(made[0])
         problems.append(made)
 
-    def rows(chunk: list[Problem], with_completion: bool) -> list[dict]:
-        out = []
-        for q, trace, ans in chunk:
-            row = {"prompt": [{"role": "user", "content": q}], "answer": str(ans)}
-            if with_completion:
-                row["completion"] = completion(trace, ans)
-            out.append(row)
-        return out
-
-    cuts = [n_eval, n_eval + n_dev, n_eval + n_dev + n_sft]
-    return DemoSplits(
-        eval=rows(problems[: cuts[0]], False),
-        dev=rows(problems[cuts[0] : cuts[1]], False),
-        sft=rows(problems[cuts[1] : cuts[2]], True),
-        rl=rows(problems[cuts[2] :], False),
+    return split_rows(
+        problems,
+        n_eval=n_eval,
+        n_dev=n_dev,
+        n_sft=n_sft,
+        row=lambda p: {"prompt": [{"role": "user", "content": p[0]}], "answer": str(p[2])},
+        completion=lambda p: completion(p[1], p[2]),
     )
 
 

@@ -140,14 +140,19 @@ class Refused:
         return f"<{self._why}>"
 
 
-def _harness():
-    fd = int(sys.argv[1])
+def _read_payload():
+    """The JSON payload from stdin; stdin is then closed (fd 0 reopened on /dev/null)."""
     raw = sys.stdin.buffer.read()
     os.close(0)
     os.open(os.devnull, os.O_RDONLY)
     payload = json.loads(raw)
     del raw
-    nonce, pid = payload.pop("nonce"), os.getpid()
+    return payload
+
+
+def _emitter(fd, nonce, pid):
+    """The one writer of the verdict pipe: ``emit(kind, id, ok, message)`` writes a record
+    with the nonce; in a forked child (another pid) it writes nothing."""
 
     def emit(kind, ident, ok, message=""):
         if os.getpid() != pid:
@@ -160,54 +165,72 @@ def _harness():
         except OSError:
             return
 
-    def msg(exc):
-        text = str(exc)
-        return (type(exc).__name__ + (": " + text if text else ""))[:300]
+    return emit
+
+
+def _exc_message(exc):
+    text = str(exc)
+    return (type(exc).__name__ + (": " + text if text else ""))[:300]
+
+
+def _checker(emit):
+    """``_grpo_check(id, thunk)``: one assert, passed only when the thunk returns a true
+    value without raising."""
 
     def check(ident, thunk):
         try:
             ok = bool(thunk()) is True
         except Exception as exc:
-            emit("assert", ident, False, msg(exc))
+            emit("assert", ident, False, _exc_message(exc))
             return
         emit("assert", ident, ok, "" if ok else "assertion failed")
 
-    def ne(a, b):
-        if (a is None) != (b is None):
-            return False  # a stub's None is not "anything but 3"
-        return a != b
+    return check
 
-    def not_(value):
-        """``assert not X`` passes only for a real false bool: a stub's ``None`` (or ``0``,
-        ``[]``) is not the answer ``False``."""
-        return value is False
 
-    set_not_dumpable()  # noqa: F821 (_seccomp.py)
-    kind = payload["kind"]
-    helpers = {"_grpo_check": check, "_grpo_ne": ne, "_grpo_not": not_}
-    tests, tests_error = [], None
-    if kind != "run":
-        try:
-            if payload.get("setup"):
-                tests.append((None, compile(payload["setup"], "<setup>", "exec")))
-            sources = (
-                [(f"a{i}.", s) for i, s in enumerate(payload["tests"])]
-                if kind == "asserts"
-                else [("t", payload["tests"])]
-            )
-            for prefix, src in sources:
-                ident = f"{prefix}0" if kind == "asserts" else None
-                try:
-                    tree = _Rewrite(prefix).visit(ast.parse(src))
-                    ast.fix_missing_locations(tree)
-                    tests.append((ident, compile(tree, "<tests>", "exec")))
-                except Exception as exc:
-                    if ident is None:
-                        raise
-                    tests.append((ident, msg(exc)))
-        except Exception as exc:
-            tests_error = msg(exc)
+def _ne(a, b):
+    if (a is None) != (b is None):
+        return False  # a stub's None is not "anything but 3"
+    return a != b
 
+
+def _not(value):
+    """``assert not X`` passes only for a real false bool: a stub's ``None`` (or ``0``,
+    ``[]``) is not the answer ``False``."""
+    return value is False
+
+
+def _compile_tests(payload, kind):
+    """``([(id, code or error message), ...], error)``: the setup and the tests compiled with
+    their asserts rewritten. An ``asserts`` entry that does not compile is its own failed
+    assert; any other failure is ``error`` (every test fails with it)."""
+    tests = []
+    try:
+        if payload.get("setup"):
+            tests.append((None, compile(payload["setup"], "<setup>", "exec")))
+        sources = (
+            [(f"a{i}.", s) for i, s in enumerate(payload["tests"])]
+            if kind == "asserts"
+            else [("t", payload["tests"])]
+        )
+        for prefix, src in sources:
+            ident = f"{prefix}0" if kind == "asserts" else None
+            try:
+                tree = _Rewrite(prefix).visit(ast.parse(src))
+                ast.fix_missing_locations(tree)
+                tests.append((ident, compile(tree, "<tests>", "exec")))
+            except Exception as exc:
+                if ident is None:
+                    raise
+                tests.append((ident, _exc_message(exc)))
+    except Exception as exc:
+        return tests, _exc_message(exc)
+    return tests, None
+
+
+def _start_candidate(payload, names, emit):
+    """Start the candidate process, lock this one, and load the program there. Returns the
+    link and the candidate's first reply (``None`` when it died before answering)."""
     link = _Link(payload["candidate_code"])
     link.on_gone = lambda rc: emit("candidate", "", False, str(rc))
     try:
@@ -215,9 +238,9 @@ def _harness():
     except OSError as exc:
         _setup_failed(f"seccomp: {exc}")
     emit("start", "", True)
-    names = list(payload.get("candidates") or ())
+    main = payload["kind"] == "run"
     try:
-        first = link.ask({"program": payload["program"], "main": kind == "run", "names": names})
+        first = link.ask({"program": payload["program"], "main": main, "names": names})
     except CandidateGone:
         first = None
     del payload["program"]
@@ -225,38 +248,64 @@ def _harness():
         _setup_failed(str(first["setup"]).split(": ", 1)[-1])
     if first is not None:
         emit("program", "", first.get("ok") is True, first.get("error") or "")
+    return link, first
+
+
+def _tests_namespace(link, names, first, emit):
+    """The tests' globals: the helpers the rewritten asserts call, and each name the tests
+    take from the program as a :class:`Remote`, a plain value or a :class:`Refused`."""
+    helpers = {"_grpo_check": _checker(emit), "_grpo_ne": _ne, "_grpo_not": _not}
+    tns = {"__name__": "__tests__", "__builtins__": builtins, **helpers}
+    described = first.get("names") if first is not None else None
+    for name in names:
+        info = described.get(name) if type(described) is dict else None
+        if type(info) is not dict or "callable" in info:
+            tns[name] = Remote(link, name)  # a dead candidate: every call fails
+        elif "value" in info:
+            try:
+                tns[name] = wire_decode(info["value"])  # noqa: F821
+            except Exception as exc:
+                tns[name] = Refused(name, _exc_message(exc))
+        elif "refused" in info:
+            tns[name] = Refused(name, info["refused"])
+    return tns
+
+
+def _run_tests(tests, tests_error, tns, payload, link, emit):
+    """Run the setup and the tests in ``tns``: a failing ``asserts`` entry is that assert's
+    failure; any other exception is a ``tests`` failure, and no later test runs."""
+    try:
+        if tests_error is not None:
+            raise RuntimeError(tests_error)
+        for ident, compiled in tests:
+            if type(compiled) is str:  # an assert entry that does not compile
+                emit("assert", ident, False, compiled)
+                continue
+            try:
+                exec(compiled, tns)
+            except Exception as exc:
+                if ident is None:
+                    raise
+                emit("assert", ident, False, _exc_message(exc))
+        entry = payload.get("entry_point")
+        if entry and payload["kind"] == "humaneval":
+            tns["check"](tns.get(entry, Remote(link, entry)))
+    except Exception as exc:
+        emit("tests", "", False, _exc_message(exc))
+
+
+def _harness():
+    fd = int(sys.argv[1])
+    payload = _read_payload()
+    emit = _emitter(fd, payload.pop("nonce"), os.getpid())
+    set_not_dumpable()  # noqa: F821 (_seccomp.py)
+    kind = payload["kind"]
+    tests, tests_error = _compile_tests(payload, kind) if kind != "run" else ([], None)
+    names = list(payload.get("candidates") or ())
+    link, first = _start_candidate(payload, names, emit)
     if kind != "run":
-        tns = {"__name__": "__tests__", "__builtins__": builtins, **helpers}
-        described = first.get("names") if first is not None else None
-        for name in names:
-            info = described.get(name) if type(described) is dict else None
-            if type(info) is not dict or "callable" in info:
-                tns[name] = Remote(link, name)  # a dead candidate: every call fails
-            elif "value" in info:
-                try:
-                    tns[name] = wire_decode(info["value"])  # noqa: F821
-                except Exception as exc:
-                    tns[name] = Refused(name, msg(exc))
-            elif "refused" in info:
-                tns[name] = Refused(name, info["refused"])
-        try:
-            if tests_error is not None:
-                raise RuntimeError(tests_error)
-            for ident, compiled in tests:
-                if type(compiled) is str:  # an assert entry that does not compile
-                    emit("assert", ident, False, compiled)
-                    continue
-                try:
-                    exec(compiled, tns)
-                except Exception as exc:
-                    if ident is None:
-                        raise
-                    emit("assert", ident, False, msg(exc))
-            entry = payload.get("entry_point")
-            if entry and kind == "humaneval":
-                tns["check"](tns.get(entry, Remote(link, entry)))
-        except Exception as exc:
-            emit("tests", "", False, msg(exc))
+        tns = _tests_namespace(link, names, first, emit)
+        _run_tests(tests, tests_error, tns, payload, link, emit)
     link.close()
     emit("done", "", True)
 

@@ -38,13 +38,25 @@ def _numpy_value(value, depth):
     return wire_encode(plain, depth)
 
 
-def wire_encode(value, depth=0):
+def _is_json_scalar(value):
+    """``None``, ``bool``, ``int``, ``float``, ``str`` of the exact type: on the wire as
+    themselves."""
     t = type(value)
-    if value is None or t is bool or t is int or t is float or t is str:
-        return value
+    return value is None or t is bool or t is int or t is float or t is str
+
+
+def _inner_depth(depth):
+    """The depth of the values inside a container at ``depth``; too deep is an error."""
     if depth >= _MAX_DEPTH:
         raise WireError(f"a value nested more than {_MAX_DEPTH} deep")
-    d = depth + 1
+    return depth + 1
+
+
+def wire_encode(value, depth=0):
+    if _is_json_scalar(value):
+        return value
+    d = _inner_depth(depth)
+    t = type(value)
     if t is list:
         return [wire_encode(v, d) for v in value]
     if t is tuple:
@@ -66,12 +78,10 @@ _TAGS = {"tuple": tuple, "set": set, "frozenset": frozenset}
 
 
 def wire_decode(obj, depth=0):
-    t = type(obj)
-    if obj is None or t is bool or t is int or t is float or t is str:
+    if _is_json_scalar(obj):
         return obj
-    if depth >= _MAX_DEPTH:
-        raise WireError(f"a value nested more than {_MAX_DEPTH} deep")
-    d = depth + 1
+    d = _inner_depth(depth)
+    t = type(obj)
     if t is list:
         return [wire_decode(v, d) for v in obj]
     if t is not dict or len(obj) != 1:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.config import ClusterConfig, TrainerGroup
+from cluster.config import ClusterConfig, TrainerSettings
 from flows.config import load_config
 
 pytest.importorskip("ray")
@@ -58,7 +58,9 @@ def ray_trainers():
     from cluster import runtime, trainer_group
 
     cfg = ClusterConfig(
-        backend="ray", num_cpus=2, trainer=TrainerGroup(workers=2, num_cpus=1, dist_backend="gloo")
+        backend="ray",
+        num_cpus=2,
+        trainer=TrainerSettings(workers=2, num_cpus=1, dist_backend="gloo"),
     )
     runtime.configure(cfg)
     runtime.ensure_ray(cfg)
@@ -253,7 +255,7 @@ def test_a_trainer_group_larger_than_the_local_ray_is_refused_at_once(ray_traine
     from cluster import trainer_group
     from cluster.trainer_group import TrainerGroupError
 
-    big = ray_trainers.model_copy(update={"trainer": TrainerGroup(workers=3, num_cpus=1)})
+    big = ray_trainers.model_copy(update={"trainer": TrainerSettings(workers=3, num_cpus=1)})
     with pytest.raises(
         TrainerGroupError, match=r"cluster.trainer: 3 worker\(s\) x num_cpus=1 need 3 CPUs"
     ):
