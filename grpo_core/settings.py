@@ -52,16 +52,8 @@ class Sampling:
         """The ``grpo_core.generation.SamplingParams`` of ``n`` samples per prompt."""
         from grpo_core.generation import SamplingParams  # torch: only when sampling
 
-        return SamplingParams(
-            n=n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty,
-            stop=self.stop,
-            max_new_tokens=self.max_completion_length,
-            seed=seed,
+        return same_named(
+            SamplingParams, self, n=n, seed=seed, max_new_tokens=self.max_completion_length
         )
 
 
