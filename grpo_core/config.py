@@ -5,21 +5,23 @@ GRPO knob names follow TRL's ``GRPOConfig`` (``num_generations``, ``beta``, ``ep
 ``epsilon_high``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ``temperature``,
 ``max_completion_length``) so a TRL user can carry their settings over.
 
-Math functions never receive these objects: tasks turn a section into plain arguments.
+The ``rl`` section is in ``rl_config.py``, the model and data sections in ``model_config.py``
+and ``data_config.py``; all are importable from here. Math functions never receive these
+objects: a section is turned once into the typed settings a concern reads (``settings.py``,
+``loss_config.py``), and the tasks hand those on.
 """
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import fields
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from grpo_core.data_config import DataConfig, DemoDataConfig, WordProblemsConfig
-from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
 from grpo_core.model_config import DemoModelConfig, LoraConfig, ModelConfig
-from grpo_core.section import Section
+from grpo_core.rl_config import RLConfig
+from grpo_core.section import Section, TrainingKnobs
+from grpo_core.settings import SFTSettings, same_named
 
 __all__ = [
     "DataConfig",
@@ -33,40 +35,10 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "Section",
+    "TrainingKnobs",
     "VLLMConfig",
     "WordProblemsConfig",
 ]
-
-
-class TrainingKnobs(Section):
-    """Memory and precision options of the sections that train (``sft``, ``rl``):
-    docs/algorithm.md, "Training at size"."""
-
-    section_name: ClassVar[str] = ""
-
-    max_tokens_per_microbatch: int | None = Field(
-        None,
-        ge=1,
-        description="split each micro-batch into chunks of at most this many padded tokens "
-        "(same gradient; bounds activation memory); None: off",
-    )
-    lm_head: Literal["chunked", "logits"] = Field(
-        "chunked",
-        description="chunked: log-probs from the hidden states through the LM head, chunk by "
-        "chunk; logits: the model's full logits",
-    )
-    bf16: bool = Field(False, description="bf16 autocast, float32 master weights and log-probs")
-    fp16: bool = Field(False, description="fp16 autocast with loss scaling (CUDA only)")
-    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = Field(
-        "adamw_torch", description="adamw_bnb_8bit: bitsandbytes 8-bit AdamW (CUDA only)"
-    )
-
-    @model_validator(mode="after")
-    def _one_precision(self) -> TrainingKnobs:
-        if self.bf16 and self.fp16:
-            name = self.section_name
-            raise ValueError(f"{name}.bf16 and {name}.fp16 are both true: choose one")
-        return self
 
 
 class SFTConfig(TrainingKnobs):
@@ -86,6 +58,11 @@ class SFTConfig(TrainingKnobs):
     checkpoint_every: int = Field(
         100, ge=0, description="save a resume checkpoint every K steps (0: off)"
     )
+
+    @property
+    def training(self) -> SFTSettings:
+        """What ``grpo_core.sft.train_sft`` trains with, built from this section."""
+        return same_named(SFTSettings, self)
 
 
 class VLLMConfig(Section):
@@ -134,235 +111,6 @@ class RolloutConfig(Section):
         """``{"name", "options", "check_sync"}`` for a stage (``None``: ``engine``)."""
         name = name or self.engine
         return {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
-
-
-class RLConfig(TrainingKnobs):
-    section_name: ClassVar[str] = "rl"
-
-    iterations: int = Field(40, ge=0, description="generation batches (rollout->score->update)")
-    prompts_per_iteration: int = Field(32, ge=1)
-    num_generations: int = Field(8, ge=2)
-    steps_per_generation: int = Field(
-        4, ge=1, description="micro-batches per generation batch (TRL's meaning)"
-    )
-    gradient_accumulation_steps: int = Field(
-        1, ge=1, description="micro-batches per optimizer step (TRL's meaning)"
-    )
-    num_iterations: int = Field(1, ge=1, description="mu: passes over each generation batch")
-    disable_dropout: bool = Field(
-        True, description="dropout off in policy and reference (TRL's option, default off there)"
-    )
-    learning_rate: float = Field(1e-4, gt=0)
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    beta: float = Field(0.0, ge=0)
-    epsilon: float = Field(0.2, gt=0)
-    epsilon_high: float | None = None
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    advantage_estimator: str = "grpo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    use_bias_correction_kl: bool = False
-    objective: Literal["clip", "cispo"] = "clip"
-    delta: float | None = Field(
-        None, gt=1, description="two-sided clip: cap of the unclipped ratio"
-    )
-    clip_ratio_c: float | None = Field(
-        None, gt=1, description="dual-clip bound for negative advantages"
-    )
-    top_entropy_quantile: float = Field(1.0, gt=0, le=1)
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
-        "sum_then_normalize"
-    )
-    dynamic_sampling: bool = Field(
-        False, description="DAPO: drop groups whose rewards are all equal"
-    )
-    overlong_buffer_length: int | None = Field(
-        None, ge=1, description="DAPO soft overlong penalty L_cache"
-    )
-    overlong_penalty_factor: float = Field(1.0, ge=0)
-    vllm_importance_sampling_correction: bool = False
-    vllm_importance_sampling_mode: Literal[
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
-    ] = "sequence_mask"
-    vllm_importance_sampling_clip_min: float | None = None
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    mask_truncated_completions: bool = False
-    old_logprobs: Literal["auto", "recompute", "sampler"] = Field(
-        "auto",
-        description="old log-probs (needed with several optimizer steps or passes per "
-        "generation batch): recompute with a no-grad forward, or take the sampler's stored "
-        "ones; auto: the sampler's when they are the same numbers (hf engine, same policy, "
-        "float32, unprocessed distribution: grpo_core/old_logprobs.py)",
-    )
-    skip_zero_advantage: bool = Field(
-        True,
-        description="skip the forward and backward of completions whose loss is zero whatever "
-        "the weights (advantage 0 with beta 0 and top_entropy_quantile 1, or no token that "
-        "counts); the loss normaliser still counts them, so the update is the same",
-    )
-    entropy_of_skipped_rows: bool = Field(
-        True,
-        description="with skip_zero_advantage: a no-grad forward of the skipped completions so "
-        "that the entropy metric is the whole batch's, as TRL's (about +40% update time when "
-        "60% of the rows are skipped); false: the metric is logged as entropy/trained_rows",
-    )
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, le=1)
-    repetition_penalty: float = Field(1.0, gt=0)
-    stop: list[str] = Field(
-        default_factory=list, description="stop strings (kept in the completion)"
-    )
-    max_completion_length: int = Field(48, ge=1)
-    eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
-    eval_on_start: bool = Field(
-        True,
-        description="held-out eval of the starting checkpoint (step 0 of the stage's curves; "
-        "in `grpo run` it is also the previous stage's final evaluation, so it costs nothing)",
-    )
-    rewards_max_error_rate: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="stop the stage when a reward function fails on at least this share of an "
-        "iteration's rows (1.0: only when it fails on every row)",
-    )
-
-    @model_validator(mode="after")
-    def _consistent(self) -> RLConfig:
-        if self.advantage_estimator in ("dr_grpo", "rloo") and self.scale_rewards != "none":
-            raise ValueError(
-                f"rl.advantage_estimator={self.advantage_estimator!r} never scales rewards: "
-                "set rl.scale_rewards to 'none'"
-            )
-        if self.overlong_buffer_length and self.overlong_buffer_length > self.max_completion_length:
-            raise ValueError("rl.overlong_buffer_length must be <= rl.max_completion_length")
-        return self
-
-    @model_validator(mode="after")
-    def _cispo_cap_given(self) -> RLConfig:
-        if self.objective == "cispo" and self.epsilon_high is None:
-            raise ValueError(
-                "rl.objective='cispo' needs rl.epsilon_high, the cap of the importance-sampling "
-                "weight min(ratio, epsilon_high) (MiniMax-M1, arXiv:2506.13585, tunes only this "
-                "upper bound); without it the cap would be rl.epsilon (default 0.2): REINFORCE "
-                "scaled down to 0.2. TRL's GRPOConfig recommends epsilon_high=5.0 for cispo "
-                "(ScaleRL's epsilon_max, arXiv:2510.13786)"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _ignored_loss_knobs(self) -> RLConfig:
-        if self.objective == "cispo":
-            given = [n for n in ("delta", "clip_ratio_c") if getattr(self, n) is not None]
-            if given:
-                raise ValueError(
-                    f"rl.{' and rl.'.join(given)} with rl.objective='cispo': "
-                    f"{'they are' if len(given) > 1 else 'it is'} a bound of the clipped "
-                    "objective, which cispo replaces (its only bound is rl.epsilon_high); "
-                    "remove it or use objective 'clip'"
-                )
-        if self.importance_sampling_level == "sequence" and self.loss_type != "grpo":
-            warnings.warn(
-                f"rl.importance_sampling_level='sequence' (GSPO) with loss_type="
-                f"{self.loss_type!r}: GSPO's objective averages the sequence terms per "
-                "sequence (loss_type 'grpo'); a token-sum loss weights each sequence's ratio by "
-                "its length. TRL warns the same; set rl.loss_type=grpo to follow the paper",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _warn_processed_sampling_logprobs(self) -> RLConfig:
-        filters = [
-            f"{name}={value}"
-            for name, value, neutral in (
-                ("top_p", self.top_p, 1.0),
-                ("top_k", self.top_k, 0),
-                ("min_p", self.min_p, 0.0),
-                ("repetition_penalty", self.repetition_penalty, 1.0),
-            )
-            if value != neutral
-        ]
-        if self.vllm_importance_sampling_correction and filters:
-            warnings.warn(
-                f"rl.vllm_importance_sampling_correction with {', '.join(filters)}: the engine's "
-                "sampling log-probs are of the filtered/penalised distribution, so the ratio to "
-                "the trainer's full softmax is < 1 on every token and the sequence-level modes "
-                "collapse (weights near 0); sample from the full distribution (top_p=1, top_k=0, "
-                "min_p=0, repetition_penalty=1) or turn the correction off",
-                UserWarning,
-                stacklevel=2,
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _sampler_without_correction(self) -> RLConfig:
-        if self.old_logprobs == "sampler" and self.vllm_importance_sampling_correction:
-            raise ValueError(
-                "rl.old_logprobs=sampler with rl.vllm_importance_sampling_correction: the "
-                "correction's ratio would be 1 on every token; use auto or recompute"
-            )
-        return self
-
-    @property
-    def optimizer_steps_per_generation(self) -> int:
-        """Optimizer steps per pass over one generation batch."""
-        return self.steps_per_generation // self.gradient_accumulation_steps
-
-    @property
-    def total_optimizer_steps(self) -> int:
-        """Optimizer steps of the whole stage (the learning-rate schedule's length)."""
-        return self.iterations * self.optimizer_steps_per_generation * self.num_iterations
-
-    def update_config(self) -> UpdateConfig:
-        """The typed settings of ``grpo_core.update.grpo_update``, built from this section."""
-        engine = None
-        if self.vllm_importance_sampling_correction:
-            engine = EngineCorrection(
-                mode=self.vllm_importance_sampling_mode,
-                clip_min=self.vllm_importance_sampling_clip_min,
-                clip_max=self.vllm_importance_sampling_clip_max,
-            )
-        loss = LossConfig(**{f.name: getattr(self, f.name) for f in fields(LossConfig)})
-        return UpdateConfig(
-            loss=loss,
-            steps_per_generation=self.steps_per_generation,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            num_iterations=self.num_iterations,
-            top_entropy_quantile=self.top_entropy_quantile,
-            temperature=self.temperature,
-            max_grad_norm=self.max_grad_norm,
-            disable_dropout=self.disable_dropout,
-            engine_correction=engine,
-            max_tokens_per_microbatch=self.max_tokens_per_microbatch,
-            lm_head=self.lm_head,
-            bf16=self.bf16,
-            fp16=self.fp16,
-            skip_zero_advantage=self.skip_zero_advantage,
-            entropy_of_skipped_rows=self.entropy_of_skipped_rows,
-        )
-
-    @model_validator(mode="after")
-    def _divisible(self) -> RLConfig:
-        if self.steps_per_generation % self.gradient_accumulation_steps:
-            raise ValueError(
-                f"rl.steps_per_generation ({self.steps_per_generation}) must be a multiple of "
-                f"rl.gradient_accumulation_steps ({self.gradient_accumulation_steps}): an "
-                "optimizer step never spans two generation batches"
-            )
-        if self.prompts_per_iteration % self.steps_per_generation:
-            raise ValueError(
-                f"rl.prompts_per_iteration ({self.prompts_per_iteration}) must be divisible by "
-                f"rl.steps_per_generation ({self.steps_per_generation}) so each step sees whole groups"
-            )
-        return self
 
 
 class RejectionConfig(Section):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,8 +24,8 @@ from tqdm.auto import tqdm
 from grpo_core.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.model_logprobs import model_logprobs
 from grpo_core.precision import Precision
+from grpo_core.settings import SFTSettings, settings_or_knobs
 from grpo_core.text import encode_completion, encode_prompt
-from grpo_core.trainer import build_optimization
 from grpo_core.trainer_state import load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -128,34 +128,24 @@ def train_sft(
     model,
     tokenizer,
     rows: list[dict],
+    settings: SFTSettings | None = None,
     *,
-    max_steps: int,
-    batch_size: int,
-    learning_rate: float,
-    weight_decay: float = 0.0,
-    warmup_steps: int = 0,
-    max_grad_norm: float = 1.0,
     seed: int = 0,
     dev_eval: Callable[[], float] | None = None,
-    target_accuracy: float | None = None,
-    eval_every: int = 100,
-    min_steps: int = 0,
     on_step: Callable[[int, dict], None] | None = None,
     desc: str = "sft",
-    checkpoint_every: int = 0,
     resume_dir: str | Path | None = None,
     resume_key: str = "",
     on_resume: Callable[[int, list[dict]], None] | None = None,
     logger: logging.Logger | logging.LoggerAdapter | None = None,
-    max_tokens_per_microbatch: int | None = None,
-    lm_head: str = "chunked",
-    bf16: bool = False,
-    fp16: bool = False,
-    optim: str = "adamw_torch",
+    **knobs,
 ) -> SFTResult:
-    """Train ``model`` in place. ``dev_eval()`` returns greedy dev accuracy in [0, 1], called
-    every ``eval_every`` steps (with ``target_accuracy``: from ``min_steps`` on, since only
-    those evals can stop training); training stops at the first that reaches the target.
+    """Train ``model`` in place with ``settings`` (an ``SFTSettings``, or its fields as
+    keywords: ``max_steps``, ``batch_size``, ``learning_rate``, ...; not both).
+
+    ``dev_eval()`` returns greedy dev accuracy in [0, 1], called every ``eval_every`` steps
+    (with ``target_accuracy``: from ``min_steps`` on, since only those evals can stop
+    training); training stops at the first that reaches the target.
 
     ``checkpoint_every`` K > 0 with ``resume_dir``: every K steps (not the last) the state is
     saved to ``resume_dir`` (a checkpoint directory, replaced atomically); when
@@ -169,121 +159,146 @@ def train_sft(
     :func:`grpo_core.model_logprobs.model_logprobs` and :mod:`grpo_core.precision`; ``optim``:
     :func:`grpo_core.optim.build_optimizer`.
     """
+    s = settings_or_knobs(SFTSettings, settings, knobs)
     logger = logger or log
     if not rows:
         raise ValueError("SFT: no training rows")
     data = encode_examples(tokenizer, rows)
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    precision = Precision.for_model(model, bf16=bf16, fp16=fp16, section="sft")
-    opt, sched = build_optimization(
-        model,
-        optim,
-        learning_rate=learning_rate,
-        weight_decay=weight_decay,
-        warmup_steps=warmup_steps,
-        total_steps=max_steps,
-        section="sft",
-    )
-    order: list[int] = []
-    history, dev_history = [], []
-    loss_val, stopped = float("nan"), False
-    step = 0
+    run = _Run.start(model, s, seed)
     resume_dir = Path(resume_dir) if resume_dir is not None else None
     state = _resume_state(resume_dir, resume_key, desc, logger)
     if state is not None:
-        load_weights_(model, resume_dir)
-        opt.load_state_dict(state["optimizer"])  # after the scheduler set lr to step 0's
-        sched.load_state_dict(state["scheduler"])
-        rng.setstate(state["data_rng"])
-        order, step = list(state["order"]), state["step"]
-        history, dev_history = state["history"], state["dev_history"]
-        loss_val = state["loss"]
-        set_rng_state(state["rng"])
-        logger.info("%s: resumed at step %d of %d from %s", desc, step, max_steps, resume_dir)
+        run.resume(model, resume_dir, state)
+        logger.info("%s: resumed at step %d of %d from %s", desc, run.step, s.max_steps, resume_dir)
         if on_resume is not None:
-            on_resume(step, history)
-    resumed_from = step
+            on_resume(run.step, run.history)
+    resumed_from, stopped = run.step, False
     model.train()
-    with tqdm(total=max_steps, initial=step, desc=desc, unit="step", leave=False) as bar:
-        while step < max_steps:
-            if len(order) < batch_size:
-                perm = list(range(len(data)))
-                rng.shuffle(perm)
-                order.extend(perm)
-            batch = [data[order.pop()] for _ in range(min(batch_size, len(data)))]
-            ids, attn, labels = collate(batch, tokenizer.pad_token_id)
-            ids, attn, labels = ids.to(model.device), attn.to(model.device), labels.to(model.device)
-            opt.zero_grad(set_to_none=True)
-            loss_val = sft_loss_backward(
-                model,
-                ids,
-                attn,
-                labels,
-                max_tokens=max_tokens_per_microbatch,
-                lm_head=lm_head,
-                precision=precision,
-            )
-            precision.unscale_(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            precision.step(opt)
-            sched.step()
-            step += 1
-            metrics = {
-                "loss": loss_val,
-                "grad_norm": float(grad_norm),
-                "learning_rate": sched.get_last_lr()[0],
-            }
-            history.append(metrics)
+    with tqdm(total=s.max_steps, initial=run.step, desc=desc, unit="step", leave=False) as bar:
+        while run.step < s.max_steps:
+            metrics = run.train_step(model, data, tokenizer.pad_token_id)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss_val:.3f}")
-            # with a target, dev evals start at min_steps: an earlier one cannot stop training
-            if (
-                dev_eval is not None
-                and step % eval_every == 0
-                and (target_accuracy is None or step >= min_steps)
-            ):
-                acc = dev_eval()
-                model.train()
-                dev_history.append({"step": step, "accuracy": acc})
-                metrics["dev/accuracy"] = acc
-                logger.info("%s step %d: loss %.4f, dev accuracy %.3f", desc, step, loss_val, acc)
-                if target_accuracy is not None and step >= min_steps and acc >= target_accuracy:
-                    stopped = True
+            bar.set_postfix(loss=f"{run.loss:.3f}")
+            if dev_eval is not None and run.dev_eval_due():
+                stopped = run.dev_eval(model, dev_eval, metrics, desc, logger)
             if on_step is not None:
-                on_step(step, metrics)
+                on_step(run.step, metrics)
             if stopped:
                 break
-            # the last step's state is the stage's output, not a resume point
-            if (
-                resume_dir
-                and checkpoint_every
-                and step % checkpoint_every == 0
-                and step < max_steps
-            ):
-                state = {
-                    "kind": SFT_STATE,
-                    "key": resume_key,
-                    "step": step,
-                    "optimizer": opt.state_dict(),
-                    "scheduler": sched.state_dict(),
-                    "data_rng": rng.getstate(),
-                    "order": list(order),
-                    "history": history,
-                    "dev_history": dev_history,
-                    "loss": loss_val,
-                    "rng": rng_state(),
-                }
-                save_checkpoint(
-                    model,
-                    tokenizer,
-                    resume_dir,
-                    trainer_state=state,
-                    info={"stage": desc, "step": step, "resume_key": resume_key},
-                )
-                logger.info("%s: resume checkpoint at step %d of %d", desc, step, max_steps)
+            if resume_dir and run.resume_point():
+                run.save(model, tokenizer, resume_dir, resume_key, desc)
+                logger.info("%s: resume checkpoint at step %d of %d", desc, run.step, s.max_steps)
     model.eval()
-    return SFTResult(step, loss_val, history, dev_history, stopped, resumed_from)
+    return SFTResult(run.step, run.loss, run.history, run.dev_history, stopped, resumed_from)
+
+
+@dataclass
+class _Run:
+    """An SFT run between two steps: what a resume checkpoint saves, besides the weights."""
+
+    settings: SFTSettings
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    data_rng: random.Random  # shuffles the data order, epoch by epoch
+    order: list[int] = field(default_factory=list)  # the data order's remaining indices
+    history: list[dict] = field(default_factory=list)  # per-step metrics
+    dev_history: list[dict] = field(default_factory=list)
+    loss: float = float("nan")
+    step: int = 0
+
+    @classmethod
+    def start(cls, model, s: SFTSettings, seed: int) -> _Run:
+        """Step 0: the RNGs seeded from ``seed``, a fresh optimizer and schedule."""
+        data_rng = random.Random(seed)
+        torch.manual_seed(seed)
+        precision = Precision.for_model(model, bf16=s.bf16, fp16=s.fp16, section="sft")
+        opt, sched = s.optimization.build(model, total_steps=s.max_steps, section="sft")
+        return cls(s, opt, sched, precision, data_rng)
+
+    def resume(self, model, resume_dir: Path, state: dict) -> None:
+        """Continue from a resume checkpoint: its weights, optimizer, data order and RNGs."""
+        load_weights_(model, resume_dir)
+        self.optimizer.load_state_dict(state["optimizer"])  # after the scheduler set step 0's lr
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data_rng.setstate(state["data_rng"])
+        self.order, self.step = list(state["order"]), state["step"]
+        self.history, self.dev_history = state["history"], state["dev_history"]
+        self.loss = state["loss"]
+        set_rng_state(state["rng"])
+
+    def train_step(self, model, data: list, pad_id: int) -> dict:
+        """One optimizer step on the next batch of the shuffled data; its metrics."""
+        s = self.settings
+        if len(self.order) < s.batch_size:
+            perm = list(range(len(data)))
+            self.data_rng.shuffle(perm)
+            self.order.extend(perm)
+        batch = [data[self.order.pop()] for _ in range(min(s.batch_size, len(data)))]
+        ids, attn, labels = (t.to(model.device) for t in collate(batch, pad_id))
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss = sft_loss_backward(
+            model,
+            ids,
+            attn,
+            labels,
+            max_tokens=s.max_tokens_per_microbatch,
+            lm_head=s.lm_head,
+            precision=self.precision,
+        )
+        self.precision.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
+        self.precision.step(self.optimizer)
+        self.scheduler.step()
+        self.step += 1
+        metrics = {
+            "loss": self.loss,
+            "grad_norm": float(grad_norm),
+            "learning_rate": self.scheduler.get_last_lr()[0],
+        }
+        self.history.append(metrics)
+        return metrics
+
+    def dev_eval_due(self) -> bool:
+        """With a target, dev evals start at ``min_steps``: an earlier one cannot stop training."""
+        s = self.settings
+        return self.step % s.eval_every == 0 and (
+            s.target_accuracy is None or self.step >= s.min_steps
+        )
+
+    def dev_eval(self, model, dev_eval: Callable[[], float], metrics: dict, desc, logger) -> bool:
+        """Evaluate on the dev split, record it in ``metrics``; whether the target is reached."""
+        acc = dev_eval()
+        model.train()
+        self.dev_history.append({"step": self.step, "accuracy": acc})
+        metrics["dev/accuracy"] = acc
+        logger.info("%s step %d: loss %.4f, dev accuracy %.3f", desc, self.step, self.loss, acc)
+        target = self.settings.target_accuracy
+        return target is not None and self.step >= self.settings.min_steps and acc >= target
+
+    def resume_point(self) -> bool:
+        """Whether to save a resume checkpoint now (the last step's state is the stage's
+        output, not a resume point)."""
+        every, step = self.settings.checkpoint_every, self.step
+        return bool(every) and step % every == 0 and step < self.settings.max_steps
+
+    def save(self, model, tokenizer, resume_dir: Path, key: str, desc: str) -> None:
+        """The weights and this state to ``resume_dir``, for a rerun with the same ``key``."""
+        state = {
+            "kind": SFT_STATE,
+            "key": key,
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data_rng": self.data_rng.getstate(),
+            "order": list(self.order),
+            "history": self.history,
+            "dev_history": self.dev_history,
+            "loss": self.loss,
+            "rng": rng_state(),
+        }
+        info = {"stage": desc, "step": self.step, "resume_key": key}
+        save_checkpoint(model, tokenizer, resume_dir, trainer_state=state, info=info)
 
 
 def _resume_state(resume_dir: Path | None, key: str, desc: str, logger) -> dict | None:

@@ -5,6 +5,7 @@ With ``cluster.backend: ray`` the prompts are sharded over the rollout replicas
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -19,6 +20,7 @@ from grpo_core.context import check_prompt_lengths, model_context
 from grpo_core.data import load_rows
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
+from grpo_core.settings import Sampling
 from grpo_core.text import encode_prompt
 from tasks import warm
 from tasks.cache import cached, stage_key
@@ -58,82 +60,88 @@ def sample_rollouts(
     out_path: str,
     *,
     num_generations: int,
-    temperature: float,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    stop: list[str] | tuple[str, ...] = (),
-    max_completion_length: int,
     iteration: int,
     seed: int,
     engine: str = "hf",
     engine_options: dict | None = None,
     check_sync: bool = False,
     desc: str = "rollout",
+    **sampling,
 ) -> RolloutResult:
-    """Generate with ``engine`` (kept warm, weights synced in memory) and write the rollout
-    Parquet; returns path and generation metrics."""
-    from grpo_core.generation import SamplingParams
+    """:func:`write_rollouts` with the sampling settings as keywords (``temperature``,
+    ``max_completion_length``, ``top_p``, ...: the fields of ``grpo_core.settings.Sampling``)
+    and ``num_generations`` samples per prompt drawn with ``seed``."""
+    params = Sampling(**sampling).params(num_generations, seed=seed)
+    spec = {"name": engine, "options": engine_options, "check_sync": check_sync}
+    return write_rollouts(policy_checkpoint, rows, out_path, params, iteration, spec, desc)
 
+
+def write_rollouts(
+    policy_checkpoint: str,
+    rows: list[dict],
+    out_path: str,
+    params,
+    iteration: int,
+    engine: dict,
+    desc: str = "rollout",
+) -> RolloutResult:
+    """Sample ``params`` (a ``grpo_core.generation.SamplingParams``) for each prompt of
+    ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
+    in memory) and write the rollout Parquet; returns path and generation metrics."""
     w = warm.get(policy_checkpoint)
-    tok = w.tokenizer
-    prompt_ids = [encode_prompt(tok, r["prompt"]) for r in rows]
-    context = model_context(w.model.config)
+    prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
-        prompt_ids, context=context, max_new_tokens=max_completion_length,
+        prompt_ids, context=model_context(w.model.config), max_new_tokens=params.max_new_tokens,
         field="max_completion_length", source=desc,
     )  # fmt: skip
-    params = SamplingParams(
-        n=num_generations,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        repetition_penalty=repetition_penalty,
-        stop=tuple(stop),
-        max_new_tokens=max_completion_length,
-        seed=seed,
-    )
     executor = runtime.executor()  # this process's engine, or the rollout replicas
     with timer() as t:
         samples = executor.sample(
             w,
             prompt_ids,
             params,
-            engine=engine,
-            engine_options=engine_options,
+            engine=engine["name"],
+            engine_options=engine["options"],
             load_options=warm.options().load_kwargs(trainer=False),  # as this process
-            check_sync=check_sync,
+            check_sync=engine["check_sync"],
             desc=desc,
         )
-    meta = {
-        "model": str(policy_checkpoint),
-        "engine": engine,
-        "engine_options": engine_options or {},
-        "sampling": params.__dict__,
-    }
-    shards = executor.rollout_shards(len(rows))
-    if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
-        meta["rollout_shards"] = shards
-    if engine == "hf":  # the warm policy samples: its dtype (grpo_core/old_logprobs.py)
-        meta["dtype"] = str(next(w.model.parameters()).dtype).removeprefix("torch.")
+    meta = _metadata(w, policy_checkpoint, engine, params, executor.rollout_shards(len(rows)))
+    tok = w.tokenizer
     table = rollout_table(
         rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
     )
     write_parquet(table, out_path)
+    return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]))
+
+
+def _metadata(w, policy_checkpoint, engine: dict, params, shards: int) -> dict:
+    """The rollout file's metadata: what sampled it and how."""
+    meta = {
+        "model": str(policy_checkpoint),
+        "engine": engine["name"],
+        "engine_options": engine["options"] or {},
+        "sampling": params.__dict__,
+    }
+    if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
+        meta["rollout_shards"] = shards
+    if engine["name"] == "hf":  # the warm policy samples: its dtype (grpo_core/old_logprobs.py)
+        meta["dtype"] = str(next(w.model.parameters()).dtype).removeprefix("torch.")
+    return meta
+
+
+def _generation_metrics(samples: list, seconds: float) -> dict:
     lengths = [len(s.completion_ids) for s in samples]
     n_tokens = sum(lengths)
-    metrics = {
+    return {
         "completions/mean_length": n_tokens / len(samples),
         "completions/min_length": float(min(lengths)),
         "completions/max_length": float(max(lengths)),
         "completions/clipped_ratio": sum(s.finish_reason == "length" for s in samples)
         / len(samples),
-        "timing/rollout_s": t["seconds"],
-        "rollout/tokens_per_s": n_tokens / max(t["seconds"], 1e-9),
+        "timing/rollout_s": seconds,
+        "rollout/tokens_per_s": n_tokens / max(seconds, 1e-9),
     }
-    return RolloutResult(out_path, metrics)
 
 
 def rollout_shards(n_prompts: int) -> int:
@@ -159,9 +167,15 @@ def rollout(
 ) -> RolloutResult:
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
     engine = engine or HF_ENGINE
-    knobs = {k: getattr(rl, k) for k in ROLLOUT_KNOBS}
-    params = {**knobs, "iteration": iteration, "seed": seed, "stage": stage}
-    params["engine"] = engine["name"]
+    params = {
+        "prompts_per_iteration": rl.prompts_per_iteration,
+        "num_generations": rl.num_generations,
+        **dataclasses.asdict(rl.sampling),
+        "iteration": iteration,
+        "seed": seed,
+        "stage": stage,
+        "engine": engine["name"],
+    }
     shards = rollout_shards(rl.prompts_per_iteration)
     if shards > 1:  # each shard samples with its own seed: another sample than one process's
         params["rollout_shards"] = shards
@@ -175,41 +189,18 @@ def rollout(
     )
 
 
-ROLLOUT_KNOBS = (
-    "prompts_per_iteration",
-    "num_generations",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "stop",
-    "max_completion_length",
-)
-
-
 def _rollout(
     stage, iteration, policy_checkpoint, rl_path, out_path, rl: RLConfig, seed, engine: dict
 ) -> RolloutResult:
     rl_rows = cached_rows(rl_path)
     idx = select_prompts(len(rl_rows), rl.prompts_per_iteration, iteration, seed, stage)
-    out = sample_rollouts(
+    out = write_rollouts(
         policy_checkpoint,
         [rl_rows[i] for i in idx],
         out_path,
-        num_generations=rl.num_generations,
-        temperature=rl.temperature,
-        top_p=rl.top_p,
-        top_k=rl.top_k,
-        min_p=rl.min_p,
-        repetition_penalty=rl.repetition_penalty,
-        stop=rl.stop,
-        max_completion_length=rl.max_completion_length,
-        iteration=iteration,
-        seed=seed * 100_003 + iteration,
-        engine=engine["name"],
-        engine_options=engine["options"],
-        check_sync=engine["check_sync"],
+        rl.sampling.params(rl.num_generations, seed=seed * 100_003 + iteration),
+        iteration,
+        engine,
         desc=f"{stage} it{iteration} rollout",
     )
     logger(__name__).info(

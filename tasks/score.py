@@ -10,6 +10,7 @@ groups (``cluster/scoring.py``); the scored file is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -22,6 +23,7 @@ from grpo_core.config import RLConfig
 from grpo_core.errors import UserError
 from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
+from grpo_core.settings import Scoring, settings_or_knobs
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
 from tasks.results import ScoreOutcome
@@ -33,23 +35,21 @@ def score_file(
     rollouts_path: str,
     out_path: str,
     weights: dict[str, float],
+    scoring: Scoring | None = None,
     *,
-    advantage_estimator: str = "grpo",
-    scale_rewards: str = "group",
-    multi_objective_aggregation: str = "sum_then_normalize",
-    overlong_buffer_length: int | None = None,
-    overlong_penalty_factor: float = 1.0,
-    max_completion_length: int | None = None,
     max_error_rate: float = 1.0,
     label: str | None = None,
     sandbox_isolation: str | None = None,
+    **knobs,
 ) -> ScoreOutcome:
     """Score every completion of ``rollouts_path``; returns path and TRL-named metrics.
 
-    ``reward`` is the weighted sum of the reward functions (null where every function gave
-    ``None``), plus DAPO's soft overlong penalty as a reward column ``overlong_penalty`` of
-    weight ``overlong_penalty_factor`` when ``overlong_buffer_length`` is set; advantages come
-    from that sum, or from GDPO's per-reward normalisation when ``multi_objective_aggregation``
+    ``scoring``: a ``grpo_core.settings.Scoring``, or its fields as keywords
+    (``advantage_estimator``, ``scale_rewards``, ...; not both). ``reward`` is the weighted
+    sum of the reward functions (null where every function gave ``None``), plus DAPO's soft
+    overlong penalty as a reward column ``overlong_penalty`` of weight
+    ``overlong_penalty_factor`` when ``overlong_buffer_length`` is set; advantages come from
+    that sum, or from GDPO's per-reward normalisation when ``multi_objective_aggregation``
     says so. Groups without variance get advantage exactly 0.
 
     A reward function that fails on ``max_error_rate`` or more of the rows (default: on
@@ -59,19 +59,12 @@ def score_file(
     import torch  # here, not at the top: a cached rerun never loads torch
 
     from grpo_core import advantages
-    from grpo_core.rewards.scoring import reward_matrix
 
-    build = functools.partial(
-        reward_functions,
-        weights,
-        sandbox_isolation,
-        overlong_buffer_length,
-        max_completion_length,
-        overlong_penalty_factor,
-    )
+    scoring = settings_or_knobs(Scoring, scoring, knobs)
+    build = functools.partial(reward_functions, weights, sandbox_isolation, scoring)
     all_weights = dict(weights)
-    if overlong_buffer_length:
-        all_weights[OVERLONG] = overlong_penalty_factor
+    if scoring.overlong_buffer_length:
+        all_weights[OVERLONG] = scoring.overlong_penalty_factor
     with timer() as t:
         table = read_rollouts(rollouts_path)
         cols = table.to_pydict()
@@ -83,30 +76,17 @@ def score_file(
         )
         check_reward_failures(result, max_error_rate, label or rollouts_path)
         gids = torch.tensor(gid_list)  # [N]
-        matrix, w = reward_matrix(result.per_function, result.weights, table.num_rows)  # [N, K]
-        adv = advantages.compute_multi(
-            matrix,
-            gids,
-            weights=w,
-            aggregation=multi_objective_aggregation,
-            name=advantage_estimator,
-            scale_rewards=scale_rewards,
-        )  # [N]
-        informative = advantages.informative_groups(matrix, gids, w, multi_objective_aggregation)
+        adv, informative = _advantages(result, gids, table.num_rows, scoring)
+        metadata = {
+            "rewards": all_weights,
+            "advantage_estimator": scoring.advantage_estimator,
+            "scale_rewards": scoring.scale_rewards,
+            "multi_objective_aggregation": scoring.multi_objective_aggregation,
+            "overlong_buffer_length": scoring.overlong_buffer_length,
+            "sandbox": rewards.isolation_label(weights, sandbox_isolation),
+        }
         scored = scored_table(
-            table,
-            result.per_function,
-            result.errors,
-            result.total,
-            adv.tolist(),
-            metadata={
-                "rewards": all_weights,
-                "advantage_estimator": advantage_estimator,
-                "scale_rewards": scale_rewards,
-                "multi_objective_aggregation": multi_objective_aggregation,
-                "overlong_buffer_length": overlong_buffer_length,
-                "sandbox": rewards.isolation_label(weights, sandbox_isolation),
-            },
+            table, result.per_function, result.errors, result.total, adv.tolist(), metadata=metadata
         )
         write_parquet(scored, out_path)
     total = torch.tensor([math.nan if v is None else v for v in result.total], dtype=torch.float64)
@@ -121,27 +101,43 @@ def score_file(
     return ScoreOutcome(out_path, metrics)
 
 
+def _advantages(result, gids, n_rows: int, scoring: Scoring):
+    """The advantages [N] of the scored rows and which groups carry a signal."""
+    from grpo_core import advantages
+    from grpo_core.rewards.scoring import reward_matrix
+
+    matrix, w = reward_matrix(result.per_function, result.weights, n_rows)  # [N, K]
+    aggregation = scoring.multi_objective_aggregation
+    adv = advantages.compute_multi(
+        matrix,
+        gids,
+        weights=w,
+        aggregation=aggregation,
+        name=scoring.advantage_estimator,
+        scale_rewards=scoring.scale_rewards,
+    )  # [N]
+    return adv, advantages.informative_groups(matrix, gids, w, aggregation)
+
+
 def reward_functions(
-    weights: dict[str, float],
-    sandbox_isolation: str | None,
-    overlong_buffer_length: int | None,
-    max_completion_length: int | None,
-    overlong_penalty_factor: float,
+    weights: dict[str, float], sandbox_isolation: str | None, scoring: Scoring
 ) -> dict:
     """The functions ``score_completions`` takes besides the registry's: the code rewards
     bound to the sandbox isolation (None: sandbox.isolation / auto), which is resolved now,
     so a machine that cannot isolate stops here (SandboxUnavailable), and DAPO's soft
-    overlong penalty under ``OVERLONG`` when ``overlong_buffer_length`` is set."""
+    overlong penalty under ``OVERLONG`` when ``scoring.overlong_buffer_length`` is set."""
     from grpo_core.rewards.length import soft_overlong_penalty
 
     functions = rewards.sandboxed(weights, sandbox_isolation)
-    if overlong_buffer_length:
+    if scoring.overlong_buffer_length:
         if OVERLONG in weights:
             raise ValueError(
                 f"rewards: {OVERLONG!r} is the name of rl.overlong_buffer_length's penalty; "
                 "rename your reward function"
             )
-        functions[OVERLONG] = soft_overlong_penalty(max_completion_length, overlong_buffer_length)
+        functions[OVERLONG] = soft_overlong_penalty(
+            scoring.max_completion_length, scoring.overlong_buffer_length
+        )
     return functions
 
 
@@ -178,15 +174,14 @@ def score(
     rl: RLConfig,
     force: bool = False,
 ) -> ScoreOutcome:
-    opts = score_options(rl)
-    key = stage_key("score", {"rewards": weights, **opts}, [rollouts_path])
+    key = stage_key("score", {"rewards": weights, **score_options(rl)}, [rollouts_path])
 
     def compute() -> ScoreOutcome:
         out = score_file(
             rollouts_path,
             out_path,
             weights,
-            **opts,
+            rl.scoring,
             max_error_rate=rl.rewards_max_error_rate,
             label=rollouts_path if stage == "offline" else f"{stage} iteration {iteration}",
         )
@@ -203,15 +198,6 @@ def score(
 
 
 def score_options(rl: RLConfig) -> dict:
-    """The RL section's scoring knobs, as :func:`score_file`'s keyword arguments."""
-    return {k: getattr(rl, k) for k in SCORE_KNOBS}
-
-
-SCORE_KNOBS = (
-    "advantage_estimator",
-    "scale_rewards",
-    "multi_objective_aggregation",
-    "overlong_buffer_length",
-    "overlong_penalty_factor",
-    "max_completion_length",
-)
+    """The RL section's scoring settings as a dict: the score stage's cache key, and the tag
+    of a re-scored file's name (``flows/stages.py``)."""
+    return dataclasses.asdict(rl.scoring)

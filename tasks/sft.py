@@ -45,8 +45,7 @@ def train_stage(
     With ``cfg.checkpoint_every`` > 0 the state is saved every K steps beside the output
     (``Workspace.resume_checkpoint``) and a run with the same ``resume_key`` resumes from it.
     """
-    from grpo_core.evaluation import evaluate  # torch: only when the stage really trains
-    from grpo_core.memory import PeakMemory
+    from grpo_core.memory import PeakMemory  # torch: only when the stage really trains
     from grpo_core.sft import train_sft
 
     log = logger(__name__)
@@ -58,43 +57,20 @@ def train_stage(
         "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
     )
 
-    def dev_eval() -> float:
-        return evaluate(
-            w.model,
-            w.tokenizer,
-            dev_rows,
-            max_new_tokens=max_completion_length,
-            desc=f"{stage} dev",
-        ).accuracy
-
     with timer() as t, PeakMemory(w.model.device) as mem:
         result = train_sft(
             w.model,
             w.tokenizer,
             rows,
-            max_steps=cfg.max_steps,
-            batch_size=cfg.batch_size,
-            learning_rate=cfg.learning_rate,
-            weight_decay=cfg.weight_decay,
-            warmup_steps=cfg.warmup_steps,
-            max_grad_norm=cfg.max_grad_norm,
+            cfg.training,
             seed=seed,
-            dev_eval=dev_eval if dev_rows else None,
-            target_accuracy=cfg.target_accuracy,
-            eval_every=cfg.eval_every,
-            min_steps=cfg.min_steps,
+            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage),
             on_step=on_step,
             desc=stage,
-            checkpoint_every=cfg.checkpoint_every,
             resume_dir=Workspace.resume_checkpoint(out_checkpoint),
             resume_key=resume_key,
             on_resume=on_resume,
             logger=log,
-            max_tokens_per_microbatch=cfg.max_tokens_per_microbatch,
-            lm_head=cfg.lm_head,
-            bf16=cfg.bf16,
-            fp16=cfg.fp16,
-            optim=cfg.optim,
         )
     save_checkpoint(
         w.model,
@@ -127,6 +103,25 @@ def train_stage(
         policy_id=w.policy_id,
         peak_memory_gib=mem.gib,
     )
+
+
+def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage: str):
+    """Greedy accuracy of the model in training on ``dev_rows`` (early stopping); None
+    without dev rows."""
+    if not dev_rows:
+        return None
+    from grpo_core.evaluation import evaluate
+
+    def dev_eval() -> float:
+        return evaluate(
+            w.model,
+            w.tokenizer,
+            dev_rows,
+            max_new_tokens=max_completion_length,
+            desc=f"{stage} dev",
+        ).accuracy
+
+    return dev_eval
 
 
 @task(name="sft", task_run_name="{stage}", cache_policy=NO_CACHE)

@@ -51,7 +51,6 @@ def update_from_file(
     rank 0 alone writes the checkpoint.
     """
     from grpo_core.memory import PeakMemory
-    from grpo_core.trainer import build_optimization
     from grpo_core.trainer_state import rng_state, set_rng_state
     from grpo_core.update import grpo_update
 
@@ -75,15 +74,7 @@ def update_from_file(
     key = _optimizer_key(rl, stage, init, total, sharded)
 
     def build(model):
-        return build_optimization(
-            model,
-            rl.optim,
-            learning_rate=rl.learning_rate,
-            weight_decay=rl.weight_decay,
-            warmup_steps=rl.warmup_steps,
-            total_steps=total,
-            lr_scheduler_type=rl.lr_scheduler_type,
-        )
+        return rl.optimization.build(model, total_steps=total, section="rl")
 
     source, why = _old_logprobs_source(rl, table, w)
     update_cfg = dataclasses.replace(rl.update_config(), old_logprobs=source)

@@ -196,3 +196,75 @@ def test_ignored_loss_knobs_are_refused_or_warned():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         RLConfig(importance_sampling_level="sequence", loss_type="grpo")
+
+
+def test_typed_settings_carry_the_section_values():
+    from grpo_core.config import SFTConfig
+    from grpo_core.generation import SamplingParams
+
+    rl = RLConfig(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        stop=["</answer>"],
+        max_completion_length=64,
+        learning_rate=3e-5,
+        lr_scheduler_type="cosine",
+        warmup_steps=3,
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        overlong_buffer_length=8,
+        overlong_penalty_factor=0.5,
+        scale_rewards="batch",
+    )
+    assert rl.sampling.params(4, seed=7) == SamplingParams(
+        n=4,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        stop=("</answer>",),
+        max_new_tokens=64,
+        seed=7,
+    )
+    opt = rl.optimization
+    assert (opt.optim, opt.learning_rate, opt.lr_scheduler_type) == ("adamw_torch", 3e-5, "cosine")
+    assert (opt.warmup_steps, opt.weight_decay, opt.max_grad_norm) == (3, 0.1, 0.5)
+    scoring = rl.scoring
+    assert (scoring.overlong_buffer_length, scoring.overlong_penalty_factor) == (8, 0.5)
+    assert (scoring.scale_rewards, scoring.max_completion_length) == ("batch", 64)
+    sft = SFTConfig(max_steps=7, learning_rate=1e-3, warmup_steps=2, bf16=True).training
+    assert (sft.max_steps, sft.learning_rate, sft.bf16, sft.checkpoint_every) == (
+        7,
+        1e-3,
+        True,
+        100,
+    )
+    assert sft.optimization.lr_scheduler_type == "constant"  # SFT has no schedule key
+
+
+def test_cache_keys_name_the_same_settings():
+    """The rollout and score keys hold these names (docs/architecture.md, "Cache keys"):
+    renaming a field of Sampling or Scoring would rerun every finished stage."""
+    import dataclasses
+
+    rl = RLConfig()
+    assert sorted(dataclasses.asdict(rl.sampling)) == sorted(
+        ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop"]
+        + ["max_completion_length"]
+    )
+    assert sorted(dataclasses.asdict(rl.scoring)) == sorted(
+        ["advantage_estimator", "scale_rewards", "multi_objective_aggregation"]
+        + ["overlong_buffer_length", "overlong_penalty_factor", "max_completion_length"]
+    )
+
+
+def test_settings_or_keywords_not_both():
+    from grpo_core.settings import Scoring, settings_or_knobs
+
+    assert settings_or_knobs(Scoring, None, {"scale_rewards": "none"}).scale_rewards == "none"
+    with pytest.raises(ValueError, match="not both"):
+        settings_or_knobs(Scoring, Scoring(), {"scale_rewards": "none"})
