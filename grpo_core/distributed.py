@@ -129,6 +129,10 @@ class DataParallel(LocalParallel):
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
 
+    def prepare_model(self, model: torch.nn.Module, *, lora: bool = False) -> bool:
+        self.broadcast_parameters(model)  # replicas start from rank 0's weights
+        return False
+
     def broadcast_parameters(self, model: torch.nn.Module) -> None:
         """Rank 0's parameters and buffers to every rank (replicas start equal)."""
         with torch.no_grad():

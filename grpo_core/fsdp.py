@@ -58,6 +58,20 @@ class ShardedDataParallel(DataParallel):
     forwards: int = 0  # sharded forwards since the last pad_to
     _hooked: list = field(default_factory=list)
 
+    def prepare_model(self, model: torch.nn.Module, *, lora: bool = False) -> bool:
+        """Shard the model's decoder layers the first time this rank trains it (a reloaded
+        model is sharded again: True, its optimizer state must be rebuilt)."""
+        if self.is_wrapped(model):
+            return False
+        if lora:
+            raise ValueError(
+                "cluster.trainer.strategy: fsdp does not shard LoRA adapters; use strategy: ddp "
+                "with model.lora"
+            )
+        self.broadcast_parameters(model)  # equal weights on every rank before sharding
+        self.wrap(model)
+        return True
+
     def wrap(self, model) -> None:
         """Shard ``model``'s decoder layers in place over this group (call on every rank,
         with equal weights: after :meth:`broadcast_parameters`)."""
@@ -131,6 +145,12 @@ class ShardedDataParallel(DataParallel):
             local = g.to_local() if isinstance(g, DTensor) else g
             local.mul_(coef.to(local.device, local.dtype))
         return total
+
+    def checkpoint_state(self, model, train) -> tuple[dict, dict]:
+        """The optimizer state and the weights unsharded, on every rank (collectives)."""
+        state = train.state_dict()
+        state["optimizer"] = self.full_optimizer_state(model, train.optimizer)
+        return state, self.full_state_dict(model)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, unsharded, on the CPU of every rank (a collective)."""

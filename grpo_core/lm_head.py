@@ -142,22 +142,3 @@ def linear_token_logprobs(
         hidden, weight, bias, labels, float(temperature), chunk, with_entropy
     )
     return logp, (ent if with_entropy else None)
-
-
-def naive_linear_token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    *,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Reference: all logits at once, then a full log-softmax (for tests and benchmarks)."""
-    from grpo_core.logprobs import naive_token_logprobs
-
-    logits = torch.nn.functional.linear(hidden, weight, bias)  # [M, V]
-    lp, ent = naive_token_logprobs(
-        logits.unsqueeze(0), labels.unsqueeze(0), temperature=temperature, with_entropy=with_entropy
-    )
-    return lp[0], None if ent is None else ent[0]

@@ -45,7 +45,16 @@ class ObjectiveOut(NamedTuple):
     high_clipped: Tensor  # same shape, bool: ratio > 1 + eps_hi with A > 0
 
 
-ObjectiveFn = Callable[..., ObjectiveOut]
+class ClipBounds(NamedTuple):
+    """The ratio bounds an objective reads (each objective says which; ``LossConfig``'s)."""
+
+    epsilon_low: float
+    epsilon_high: float
+    clip_ratio_c: float | None = None  # dual-clip cap for A < 0, > 1
+    delta: float | None = None  # TRL's two-sided clip: the unclipped ratio's cap
+
+
+ObjectiveFn = Callable[[Tensor, Tensor, Tensor, ClipBounds], ObjectiveOut]
 AggregationFn = Callable[..., Tensor]
 POLICY_OBJECTIVES: Registry[ObjectiveFn] = Registry("policy objective")
 LOSS_AGGREGATIONS: Registry[AggregationFn] = Registry("loss_type")
@@ -54,14 +63,7 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 @POLICY_OBJECTIVES.register("clip")
 def clipped_objective(
-    log_ratio: Tensor,
-    advantages: Tensor,
-    logp: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    clip_ratio_c: float | None = None,
-    delta: float | None = None,
+    log_ratio: Tensor, advantages: Tensor, logp: Tensor, bounds: ClipBounds
 ) -> ObjectiveOut:
     """PPO clipped surrogate ``-min(r A, clip(r, 1-eps_lo, 1+eps_hi) A)``.
 
@@ -69,6 +71,7 @@ def clipped_objective(
     ``delta`` (TRL's two-sided clip): the unclipped ratio is capped at ``delta``.
     """
     del logp  # the ratio carries the gradient
+    epsilon_low, epsilon_high, clip_ratio_c, delta = bounds
     ratio = torch.exp(log_ratio)  # [B, T] or [B, 1]
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # same shape
     unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)
@@ -85,18 +88,11 @@ def clipped_objective(
 
 @POLICY_OBJECTIVES.register("cispo")
 def cispo_objective(
-    log_ratio: Tensor,
-    advantages: Tensor,
-    logp: Tensor,
-    *,
-    epsilon_low: float,
-    epsilon_high: float,
-    clip_ratio_c: float | None = None,
-    delta: float | None = None,
+    log_ratio: Tensor, advantages: Tensor, logp: Tensor, bounds: ClipBounds
 ) -> ObjectiveOut:
     """CISPO (MiniMax-M1): ``-sg(min(r, epsilon_high)) * A * logp``; as TRL, ``epsilon_high``
     is the ratio cap itself (e.g. 5.0), not an offset from 1."""
-    del epsilon_low, clip_ratio_c, delta
+    epsilon_high = bounds.epsilon_high
     ratio = torch.exp(log_ratio)  # [B, T]
     weight = torch.clamp(ratio, max=epsilon_high).detach()  # [B, T]
     high = (ratio > epsilon_high) & (advantages > 0)
@@ -302,15 +298,8 @@ def _objective(c: LossConfig, log_ratio: Tensor, advantages: Tensor, logp: Tenso
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [B, 1] or [B, T]
     eps_high = c.epsilon if c.epsilon_high is None else c.epsilon_high
-    return objective_fn(
-        log_ratio,
-        adv,
-        logp,
-        epsilon_low=c.epsilon,
-        epsilon_high=eps_high,
-        clip_ratio_c=c.clip_ratio_c,
-        delta=c.delta,
-    )
+    bounds = ClipBounds(c.epsilon, eps_high, c.clip_ratio_c, c.delta)
+    return objective_fn(log_ratio, adv, logp, bounds)
 
 
 def _kl_term(c: LossConfig, logp: Tensor, ref_logp: Tensor | None, log_ratio: Tensor) -> Tensor:

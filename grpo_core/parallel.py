@@ -31,6 +31,12 @@ class LocalParallel:
         forward plan does not cover)."""
         return cfg
 
+    def prepare_model(self, model: torch.nn.Module, *, lora: bool = False) -> bool:
+        """Make ``model`` ready to train under this strategy (ranks: rank 0's weights on
+        every rank, sharded with FSDP2); True when its parameters were replaced, so that an
+        optimizer built on the old ones is stale. ``lora``: the model has a LoRA adapter."""
+        return False
+
     def shard(self, batch, slices: list[Tensor]):
         return batch, slices
 
@@ -49,6 +55,18 @@ class LocalParallel:
     def step_metrics(self, window: list[dict], tokens: list[float]) -> dict:
         """One optimizer step's metrics from its micro-batches'."""
         return combine(window)
+
+    def checkpoint_state(self, model: torch.nn.Module, train) -> tuple[dict, dict | None]:
+        """What a checkpoint saves: ``train``'s (a ``grpo_core.trainer.TrainState``) state
+        dict and the weights (``None``: the model's own state dict)."""
+        return train.state_dict(), None
+
+    def load_full_optimizer_state(self, model: torch.nn.Module, optimizer, state: dict) -> None:
+        """A state saved by :meth:`checkpoint_state` into ``optimizer``."""
+        optimizer.load_state_dict(state)
+
+    def barrier(self) -> None:
+        return None
 
 
 LOCAL = LocalParallel()

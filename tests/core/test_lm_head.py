@@ -4,7 +4,15 @@ values and in the gradients of the hidden states, the head's weight and its bias
 import pytest
 import torch
 
-from grpo_core.lm_head import linear_token_logprobs, naive_linear_token_logprobs
+from grpo_core.lm_head import linear_token_logprobs
+from grpo_core.logprobs import naive_token_logprobs
+
+
+def naive_linear_token_logprobs(hidden, weight, labels, *, bias=None, **kw):
+    """Reference: all logits at once, then a full log-softmax."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)  # [M, V]
+    lp, ent = naive_token_logprobs(logits.unsqueeze(0), labels.unsqueeze(0), **kw)
+    return lp[0], None if ent is None else ent[0]
 
 
 def inputs(M, H, V, seed, dtype=torch.float64):

@@ -1,0 +1,62 @@
+"""The rows of a scored Parquet that an RL update trains on: the columns the update reads,
+the groups it keeps (with dynamic sampling, DAPO: those with reward variance;
+``grpo_core/sampling_filters.py``) and their padded :class:`~grpo_core.batch.UpdateBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pyarrow as pa
+import torch
+
+from grpo_core.batch import UpdateBatch, build_batch
+from grpo_core.rollouts import group_ids, read_scored
+from grpo_core.sampling_filters import dynamic_sampling_mask
+
+COLUMNS = ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
+
+
+@dataclass
+class ScoredRows:
+    """A scored file as the update reads it."""
+
+    path: str
+    table: pa.Table  # the whole file: its metadata and policy ids say where old log-probs come from
+    columns: dict[str, list]  # COLUMNS, every row
+    group_ids: list[int]  # every row's group
+    keep: list[int]  # the rows trained on
+    metrics: dict[str, float]  # ``dynamic_sampling/kept_frac`` with dynamic sampling
+
+    @classmethod
+    def read(cls, path: str, *, dynamic_sampling: bool = False) -> ScoredRows:
+        """``path``'s rows; with ``dynamic_sampling`` only the groups with some non-zero
+        advantage are kept (a group without reward variance carries no signal)."""
+        table = read_scored(path)
+        columns = table.select(COLUMNS).to_pydict()
+        gids = group_ids(table, path)
+        keep = list(range(table.num_rows))
+        metrics: dict[str, float] = {}
+        if dynamic_sampling:
+            informative = dynamic_sampling_mask(
+                torch.tensor(columns["advantage"], dtype=torch.float64), torch.tensor(gids)
+            )
+            keep = informative.nonzero().squeeze(-1).tolist()
+            metrics["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
+        return cls(str(path), table, columns, gids, keep, metrics)
+
+    def batch(self, pad_id: int, *, mask_truncated: bool, sampling_logprobs: bool) -> UpdateBatch:
+        """The kept rows padded: truncated rows (``finish_reason`` length) with an empty mask
+        when ``mask_truncated``; the sampler's log-probs when ``sampling_logprobs`` (the
+        engine correction or ``old_logprobs="sampler"`` reads them)."""
+        pick = lambda name: [self.columns[name][i] for i in self.keep]  # noqa: E731
+        truncated = [r == "length" for r in pick("finish_reason")] if mask_truncated else None
+        return build_batch(
+            pick("prompt_ids"),
+            pick("completion_ids"),
+            pick("advantage"),
+            pad_id,
+            truncated=truncated,
+            group_ids=[self.group_ids[i] for i in self.keep],
+            sampling_logprobs=pick("completion_logprobs") if sampling_logprobs else None,
+        )
