@@ -48,6 +48,7 @@ def make_start(args) -> None:
 
     apply_defaults(args.run_dir, flow_logs=False)
     set_threads(args.threads)
+    from flows.recipe import STAGES, RecipeRun, sft_inputs
     from tasks.prepare import prepare
     from tasks.sft import sft_stage
     from tasks.workspace import Workspace
@@ -55,17 +56,9 @@ def make_start(args) -> None:
     ws = Workspace.create(args.run_dir, "start")
     tracking = _tracking(cfg, Path(args.run_dir), "start")
     data = prepare.fn(cfg.data, cfg.model, cfg.seed, ws)
-    sft = sft_stage.fn(
-        "cold_start_sft",
-        data["base"],
-        data["sft"],
-        str(ws.checkpoint("cold_start_sft")),
-        cfg.sft,
-        tracking,
-        dev_path=data.get("dev"),
-        max_completion_length=cfg.eval.max_completion_length,
-        seed=cfg.seed,
-    )
+    run = RecipeRun(cfg, ws, tracking, data)
+    sft_args, sft_kwargs = sft_inputs(run, STAGES["cold_start_sft"])  # as `grpo run` has it
+    sft = sft_stage.fn(*sft_args, **sft_kwargs)
     tracking.end(tracking.parent_run_id)
     write_result(
         args.start,
@@ -91,6 +84,7 @@ def run_rl(args) -> None:
     server = local_server.start()  # as `grpo run`: started before the heavy imports
     set_threads(args.threads)
     from cluster import process
+    from flows.recipe import STAGES, RecipeRun, rl_inputs
     from flows.rl import rl_stage
     from tasks import warm
     from tasks.workspace import Workspace
@@ -102,6 +96,9 @@ def run_rl(args) -> None:
     run_dir = Path(args.run_dir)
     ws = Workspace.create(run_dir, "ours")  # a fresh run folder: nothing cached
     tracking = _tracking(cfg, run_dir, "ours")
+    # the shared start's files, its checkpoint standing for the stage that trained it
+    files = {"rl": start["rl"], "eval": start["eval"], "cold_start_sft": start["checkpoint"]}
+    rl_args, rl_kwargs = rl_inputs(RecipeRun(cfg, ws, tracking, files), STAGES["rl_1"])
     from prefect import flow
 
     @flow(name="bench-pipeline")
@@ -110,20 +107,7 @@ def run_rl(args) -> None:
         the Prefect server long before rl_1 starts): the subflow's start is timed, the
         server's first answer is not."""
         t0 = time.perf_counter()
-        out = rl_stage(
-            "rl_1",
-            start["checkpoint"],
-            cfg.rl,
-            rl_path=start["rl"],
-            eval_path=start["eval"],
-            eval_cfg=cfg.eval,
-            weights=cfg.rewards,
-            ws=ws,
-            tracking=tracking,
-            seed=cfg.seed,
-            engine=cfg.rollout.engine_spec(),
-            eval_engine=cfg.rollout.engine_spec(cfg.eval.engine),
-        )
+        out = rl_stage(*rl_args, **rl_kwargs)  # as `grpo run` has it
         return out, time.perf_counter() - t0
 
     with local_server.attach(server):

@@ -18,6 +18,7 @@ import logging
 import sys
 
 from flows import errors, local_server
+from flows.cli_args import add_config_args
 from flows.env import apply_defaults
 
 # Offline, quiet, local defaults, set before Prefect is imported (it reads them at import);
@@ -108,24 +109,13 @@ def cmd_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML preset (default: the packaged configs/demo.yaml)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set rl.learning_rate=1e-5 (repeatable)",
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpo", description="The R1 recipe as Prefect stages tracked in MLflow."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the whole pipeline (the embedded CPU demo by default)")
-    _config_args(run)
+    add_config_args(run)
     run.add_argument(
         "--force",
         action="append",
@@ -158,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output eval table Parquet")
     for name in ("rollout", "score", "update", "eval"):
         sp = sub.choices[name]
-        _config_args(sp)
+        add_config_args(sp)
         sp.set_defaults(func=cmd_stage)
 
     from flows.compare import add_compare_parser

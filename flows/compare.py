@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flows.cli_args import add_config_args
+
 EVAL_METRICS = ("accuracy", "format_rate", "mean_length")
 PIPELINE_FILTER = "tags.pipeline = 'r1'"
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -294,13 +296,10 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
         "URI and experiment come from --config/--set (as for `grpo run`) unless given.",
     )
     p.add_argument("runs", nargs="*", metavar="RUN")
-    p.add_argument("--config", help="YAML preset whose tracking section to use (default: demo)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, e.g. --set tracking.uri=http://127.0.0.1:5000",
+    add_config_args(
+        p,
+        config_help="YAML preset whose tracking section to use (default: demo)",
+        set_help="config override, e.g. --set tracking.uri=http://127.0.0.1:5000",
     )
     p.add_argument(
         "--tracking-uri",

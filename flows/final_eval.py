@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.run_names import named
-from tasks.chart_keys import pipeline_stage_key
+from tasks.chart_keys import eval_point, pipeline_stage_key
 from tasks.evaluate import evaluate_stage
+from tasks.mlflow_runs import stage_run
 from tasks.results import EvalOutcome
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
@@ -38,47 +39,59 @@ def final_evaluation(
     ckpts: dict[str, str],
     given: FinalEvalInputs,
 ) -> dict[str, EvalOutcome]:
-    parent, run = tracking.parent_run_id, cfg.run_name
-    eval_run = tracking.start_child("final_evaluation", config=cfg.eval.model_dump())
+    run = cfg.run_name
     results: dict[str, EvalOutcome] = {}
-    for index, stage in enumerate(CHECKPOINT_STAGES):
-        ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
-            stage,
-            ckpts[stage],
-            eval_path,
-            cfg.eval,
-            str(ws.eval_table(stage)),
-            force=cfg.forced("final_evaluation"),
-            engine=cfg.rollout.engine_spec(cfg.eval.engine),
-            same_as=given.same_as.get(stage),
+    with stage_run(tracking, "final_evaluation", config=cfg.eval.model_dump()) as eval_run:
+        for index, stage in enumerate(CHECKPOINT_STAGES):
+            ev = named(evaluate_stage, f"{run}/final_evaluation/{stage}")(
+                stage,
+                ckpts[stage],
+                eval_path,
+                cfg.eval,
+                str(ws.eval_table(stage)),
+                force=cfg.forced("final_evaluation"),
+                engine=cfg.rollout.engine_spec(cfg.eval.engine),
+                same_as=given.same_as.get(stage),
+            )
+            results[stage] = ev
+            _log_stage(tracking, eval_run, index, stage, ev, given)
+        tracking.log_table(
+            eval_run,
+            [{"stage": s, **r} for s in CHECKPOINT_STAGES for r in results[s].samples],
+            "eval_samples.json",
         )
-        results[stage] = ev
-        summary_metrics = ev.summary_metrics()
-        numbers = {
-            pipeline_stage_key(index, stage, k): v
-            for k, v in {**summary_metrics, "wall_time_s": given.wall_times[stage]}.items()
-        }
-        # the stage progression as charts: one step per evaluated stage, in recipe order; the
-        # parent's first keys, so MLflow's compare view starts on eval/accuracy (its latest
-        # value: the final stage's), not on a number every run shares
-        tracking.log_metrics(parent, {f"eval/{k}": v for k, v in summary_metrics.items()}, index)
-        tracking.log_metrics(parent, numbers)
-        tracking.log_metrics(
-            eval_run, {pipeline_stage_key(index, stage, k): v for k, v in summary_metrics.items()}
-        )
-        tracking.log_artifact(eval_run, ev.table, "eval_tables")  # Parquet: pandas / DuckDB
-        tracking.log_table(eval_run, _table_rows(ev.table), f"eval_tables/{stage}.json")
-        # the stage's own run gets its final held-out numbers, table and sample completions
-        stage_run = given.stage_runs[stage]
-        if stage in given.sft_steps:  # an RL stage's curve ends with this eval (same_as)
-            eval_metrics = {f"eval/{k}": v for k, v in summary_metrics.items()}
-            tracking.log_metrics(stage_run, eval_metrics, given.sft_steps[stage])
-        tracking.log_artifact(stage_run, ev.table, "eval")
-        tracking.log_table(stage_run, ev.samples, "eval/samples.json")
-    tracking.log_table(
-        eval_run,
-        [{"stage": s, **r} for s in CHECKPOINT_STAGES for r in results[s].samples],
-        "eval_samples.json",
-    )
-    tracking.end(eval_run)
     return results
+
+
+def _log_stage(
+    tracking: Tracking,
+    eval_run: str,
+    index: int,
+    stage: str,
+    ev: EvalOutcome,
+    given: FinalEvalInputs,
+) -> None:
+    """Stage ``index``'s final held-out numbers in the parent run, the final_evaluation run
+    and the stage's own run."""
+    parent = tracking.parent_run_id
+    summary_metrics = ev.summary_metrics()
+    numbers = {
+        pipeline_stage_key(index, stage, k): v
+        for k, v in {**summary_metrics, "wall_time_s": given.wall_times[stage]}.items()
+    }
+    # the stage progression as charts: one step per evaluated stage, in recipe order; the
+    # parent's first keys, so MLflow's compare view starts on eval/accuracy (its latest
+    # value: the final stage's), not on a number every run shares
+    tracking.log_metrics(parent, eval_point(summary_metrics), index)
+    tracking.log_metrics(parent, numbers)
+    tracking.log_metrics(
+        eval_run, {pipeline_stage_key(index, stage, k): v for k, v in summary_metrics.items()}
+    )
+    tracking.log_artifact(eval_run, ev.table, "eval_tables")  # Parquet: pandas / DuckDB
+    tracking.log_table(eval_run, _table_rows(ev.table), f"eval_tables/{stage}.json")
+    # the stage's own run gets its final held-out numbers, table and sample completions
+    stage_run_id = given.stage_runs[stage]
+    if stage in given.sft_steps:  # an RL stage's curve ends with this eval (same_as)
+        tracking.log_metrics(stage_run_id, eval_point(summary_metrics), given.sft_steps[stage])
+    tracking.log_artifact(stage_run_id, ev.table, "eval")
+    tracking.log_table(stage_run_id, ev.samples, "eval/samples.json")

@@ -121,11 +121,10 @@ def where(exc: BaseException) -> str:
         if not frame.f_code.co_filename.startswith(_PROJECT):
             continue
         name, local = frame.f_code.co_name, frame.f_locals
-        if name == "run_pipeline":
-            if "summary" in local:
-                found = "model registration"
-            elif "eval_run" in local:
-                found = "final_evaluation"
+        if name == "_finish" and frame.f_code.co_filename.endswith("r1.py"):
+            found = "model registration"
+        elif name == "final_evaluation":
+            found = "final_evaluation"
         elif name == "rl_stage" and isinstance(local.get("stage"), str):
             it = local.get("it")
             found = local["stage"] + (f" iteration {it}" if isinstance(it, int) else "")

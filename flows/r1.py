@@ -21,15 +21,14 @@ from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.deployments import R1_FLOW
 from flows.final_eval import FinalEvalInputs, final_evaluation
 from flows.lock import acquire_workspace
+from flows.recipe import FINAL_STAGE, RECIPE, STAGES, RecipeRun, same_evaluations, sft_steps
 from flows.registry import register_final_checkpoint
-from flows.rl import rl_stage
 from flows.run_context import RunContext
 from flows.run_names import named
-from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, publish_sft_artifact, run_note
+from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, run_note
+from tasks.mlflow_runs import parent_run
 from tasks.prepare import prepare
-from tasks.rejection import rejection_sampling
 from tasks.run_states import end_open_runs
-from tasks.sft import sft_stage
 from tasks.tracking import Tracking, config_hash
 from tasks.workspace import Workspace
 
@@ -61,189 +60,128 @@ def locked_pipeline(cfg: PipelineConfig) -> dict:
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
-    """The recipe's body, in the r1-pipeline flow, with the workspace locked."""
-    import yaml
-
+    """The recipe's body, in the r1-pipeline flow, with the workspace locked: prepare, the
+    stages of flows/recipe.py in order, the final evaluation, the summary."""
     ws = RunContext.open(cfg).workspace  # the process's setup for this config, once
     # settings that change results; where outputs and logs go, and what to force, do not
     settings = cfg.model_dump(exclude={"run_name", "output_dir", "tracking", "force", "storage"})
-    tracking = Tracking.open(cfg.tracking.uri, cfg.tracking.experiment).start_parent(
+    with parent_run(
+        Tracking.open(cfg.tracking.uri, cfg.tracking.experiment),
         cfg.run_name,
         {"pipeline": "r1", "seed": str(cfg.seed), "config_hash": config_hash(settings)},
         params=cfg.model_dump(),
         workspace=ws.root,  # a killed run of this workspace: its runs end, its parent goes on
         system_metrics=CHECKPOINT_STAGES,  # the training stages (and their final eval)
-    )
+    ) as tracking:
+        _describe(cfg, tracking)
+        timings: dict[str, float] = {}
+        t_start = time.perf_counter()
+
+        def timed(name, fn, *a, **kw):
+            t0 = time.perf_counter()
+            out = fn(*a, **kw)
+            timings[name] = time.perf_counter() - t0
+            return out
+
+        prefix = cfg.run_name  # Prefect's run names: demo/prepare, demo/rl_1
+        data = timed(
+            "prepare", named(prepare, f"{prefix}/prepare"), cfg.data, cfg.model, cfg.seed, ws
+        )
+        run = RecipeRun(cfg, ws, tracking, data)
+        for stage in RECIPE:
+            args, kwargs = stage.inputs(run, stage)
+            out = timed(stage.name, named(stage.task, f"{prefix}/{stage.name}"), *args, **kwargs)
+            run.outcomes[stage.name] = out
+            if stage.publish is not None:
+                stage.publish(stage.name, out, tracking)
+        # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
+        t0 = time.perf_counter()
+        results = final_evaluation(
+            cfg,
+            ws,
+            tracking,
+            data["eval"],
+            {s: run.outcomes[s].checkpoint for s in CHECKPOINT_STAGES},
+            FinalEvalInputs(
+                stage_runs={s: run.outcomes[s].run_id for s in CHECKPOINT_STAGES},
+                same_as=same_evaluations(run),
+                sft_steps=sft_steps(run),
+                wall_times=timings,
+            ),
+        )
+        timings["final_evaluation"] = time.perf_counter() - t0
+        return _finish(run, results, _summary(run, results, timings, t_start))
+
+
+def _describe(cfg: PipelineConfig, tracking: Tracking) -> None:
+    """The parent run's description and ``config.yaml`` (the whole config)."""
+    import yaml
+
     parent = tracking.parent_run_id
     tracking.set_tags(parent, {"mlflow.note.content": run_note(cfg, parent)})
     tracking.log_text(parent, yaml.safe_dump(cfg.model_dump(), sort_keys=False), "config.yaml")
-    timings: dict[str, float] = {}
-    ckpts: dict[str, str] = {}
-    t_start = time.perf_counter()
 
-    def timed(name, fn, *a, **kw):
-        t0 = time.perf_counter()
-        out = fn(*a, **kw)
-        timings[name] = time.perf_counter() - t0
-        return out
 
-    run = cfg.run_name
-    data = timed("prepare", named(prepare, f"{run}/prepare"), cfg.data, cfg.model, cfg.seed, ws)
-    common_rl = dict(
-        rl_path=data["rl"],
-        eval_path=data["eval"],
-        eval_cfg=cfg.eval,
-        weights=cfg.rewards,
-        ws=ws,
-        tracking=tracking,
-        seed=cfg.seed,
-        engine=cfg.rollout.engine_spec(),
-        eval_engine=cfg.rollout.engine_spec(cfg.eval.engine),
-    )
+REJECTION_COUNTS = ("sampled", "passed", "duplicates", "capped", "kept", "acceptance_rate")
 
-    sft = timed(
-        "cold_start_sft",
-        named(sft_stage, f"{run}/cold_start_sft"),
-        "cold_start_sft",
-        data["base"],
-        data["sft"],
-        str(ws.checkpoint("cold_start_sft")),
-        cfg.sft,
-        tracking,
-        dev_path=data.get("dev"),
-        max_completion_length=cfg.eval.max_completion_length,
-        seed=cfg.seed,
-        force=cfg.forced("cold_start_sft"),
-    )
-    ckpts["cold_start_sft"] = sft.checkpoint
-    publish_sft_artifact("cold_start_sft", sft, tracking)
 
-    rl1 = timed(
-        "rl_1",
-        named(rl_stage, f"{run}/rl_1"),
-        "rl_1",
-        ckpts["cold_start_sft"],
-        cfg.rl,
-        **common_rl,
-        force=cfg.forced("rl_1"),
-    )
-    ckpts["rl_1"] = rl1.checkpoint
-
-    rs = timed(
-        "rejection_sampling",
-        named(rejection_sampling, f"{run}/rejection_sampling"),
-        ckpts["rl_1"],
-        data["rl"],
-        str(ws.stage_dir("rejection_sampling")),
-        cfg.rejection_sampling,
-        cfg.rewards,
-        tracking,
-        cfg.seed,
-        force=cfg.forced("rejection_sampling"),
-        engine=cfg.rollout.engine_spec(cfg.rejection_sampling.engine),
-    )
-
-    re = timed(
-        "re_sft",
-        named(sft_stage, f"{run}/re_sft"),
-        "re_sft",
-        ckpts["rl_1"],
-        rs.path,
-        str(ws.checkpoint("re_sft")),
-        cfg.re_sft_config(),
-        tracking,
-        max_completion_length=cfg.eval.max_completion_length,
-        seed=cfg.seed,
-        force=cfg.forced("re_sft"),
-    )
-    ckpts["re_sft"] = re.checkpoint
-    publish_sft_artifact("re_sft", re, tracking)
-
-    rl2 = timed(
-        "rl_2",
-        named(rl_stage, f"{run}/rl_2"),
-        "rl_2",
-        ckpts["re_sft"],
-        cfg.rl_2_config(),
-        **common_rl,
-        force=cfg.forced("rl_2"),
-    )
-    ckpts["rl_2"] = rl2.checkpoint
-
-    # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
-    t0 = time.perf_counter()
-    results = final_evaluation(
-        cfg,
-        ws,
-        tracking,
-        data["eval"],
-        ckpts,
-        FinalEvalInputs(
-            stage_runs={
-                "cold_start_sft": sft.run_id,
-                "rl_1": rl1.run_id,
-                "re_sft": re.run_id,
-                "rl_2": rl2.run_id,
-            },
-            # an RL stage's last in-loop eval is this evaluation of its final weights, and its
-            # start eval that of the stage before
-            same_as={
-                "cold_start_sft": rl1.start_eval_table,
-                "rl_1": rl1.eval_table,
-                "re_sft": rl2.start_eval_table,
-                "rl_2": rl2.eval_table,
-            },
-            sft_steps={"cold_start_sft": sft.steps, "re_sft": re.steps},
-            wall_times=timings,
-        ),
-    )
-    timings["final_evaluation"] = time.perf_counter() - t0
-
+def _summary(run: RecipeRun, results: dict, timings: dict[str, float], t_start: float) -> dict:
+    """The pipeline's result: ``summary.json``, the Prefect artifact, what `grpo run` prints."""
+    cfg, tracking, parent = run.cfg, run.tracking, run.tracking.parent_run_id
     rows = [
         {
             "stage": s,
             **results[s].summary_metrics(),
             "wall_time_s": timings[s],
-            "checkpoint": ckpts[s],
+            "checkpoint": run.outcomes[s].checkpoint,
         }
         for s in CHECKPOINT_STAGES
     ]
-    summary = {
+    rejection = run.outcomes["rejection_sampling"].metrics
+    return {
         "run_name": cfg.run_name,
         "parent_run_id": parent,
         "tracking_uri": cfg.tracking.uri,
         "parent_run_url": tracking.run_url(parent),
         "experiment_url": tracking.experiment_url(),
         "prefect_ui": _flow_run_url(),
-        "workspace": str(ws.root),
+        "workspace": str(run.ws.root),
         "stages": rows,
         "rejection_sampling": {
-            k: rs.metrics[k]
-            for k in ("sampled", "passed", "duplicates", "capped", "kept", "acceptance_rate")
-            if k in rs.metrics  # a result recorded before passed / duplicates were counted
+            k: rejection[k]
+            for k in REJECTION_COUNTS
+            if k in rejection  # a result recorded before passed / duplicates were counted
         },
         "timings": timings,
         "total_time_s": time.perf_counter() - t_start,
     }
-    if rl2.cached_iterations < cfg.rl_2_config().iterations or cfg.forced("rl_2"):
+
+
+def _finish(run: RecipeRun, results: dict, summary: dict) -> dict:
+    """Register the final checkpoint (when this run trained it), then the parent run's last
+    tags, metrics and artifacts."""
+    cfg, tracking, parent = run.cfg, run.tracking, run.tracking.parent_run_id
+    final = run.outcomes[FINAL_STAGE]
+    settings = STAGES[FINAL_STAGE].settings(cfg)
+    if final.cached_iterations < settings.iterations or cfg.forced(FINAL_STAGE):
         mv = register_final_checkpoint(
             cfg.tracking.uri,
             parent,
-            ckpts["rl_2"],
+            final.checkpoint,
             {s: results[s].summary_metrics() for s in CHECKPOINT_STAGES},
-            final_stage="rl_2",
+            final_stage=FINAL_STAGE,
         )
         summary["registered_model"] = f"{mv.name}/{mv.version}"
         summary["champion"] = mv.champion()  # flows.registry.registration_line prints both
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
-    note = run_note(cfg, parent, rows)
-    tracking.set_tags(parent, {"policy_id": results["rl_2"].policy_id, "mlflow.note.content": note})
+    note = run_note(cfg, parent, summary["stages"])
+    policy = results[FINAL_STAGE].policy_id
+    tracking.set_tags(parent, {"policy_id": policy, "mlflow.note.content": note})
     tracking.log_metrics(parent, {"total_time_s": summary["total_time_s"]})
-    plot = _compare_plot(tracking, ws)
+    plot = _compare_plot(tracking, run.ws)
     tracking.log_json(parent, summary, "summary.json")
     publish_pipeline_artifact(summary, tracking, plot)
-    tracking.end(parent)
     return summary
 
 

@@ -20,16 +20,16 @@ from pathlib import Path
 from prefect import flow
 
 from cluster import storage
-from flows.rl_report import IterationGroup, StageReport, rollout_sample
+from flows.rl_log import HeldOut, StageLog
+from flows.rl_report import IterationGroup
 from flows.run_names import named
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
 from tasks import warm
-from tasks.chart_keys import chart_metrics, iteration_means, step_metrics
 from tasks.common import logger
-from tasks.evaluate import evaluate_checkpoint
+from tasks.mlflow_runs import stage_run
 from tasks.results import RLStageOutcome
 from tasks.rollout import rollout
 from tasks.score import score
@@ -58,146 +58,77 @@ def rl_stage(
     eval_engine: dict | None = None,
     force: bool = False,
 ) -> RLStageOutcome:
-    log = logger(__name__)
     config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
-    run_id = _start_run(tracking, stage, init_checkpoint, rl, weights, config)
-    total_steps = rl.total_optimizer_steps
-    policy, step, t0 = init_checkpoint, 0, time.perf_counter()
-    evals: list[dict] = []
-    last_table = None  # the last in-loop eval's table: the final checkpoint's weights
-    reused = 0
-    metrics = tracking.pending(run_id)  # cached iterations are logged in one batch
-    report = StageReport(stage)
-    log.info(
-        "%s: %d iterations of %d prompts x %d generations from %s",
-        stage,
-        rl.iterations,
-        rl.prompts_per_iteration,
-        rl.num_generations,
-        init_checkpoint,
-    )
-
-    def held_out(checkpoint: str, done: int, out_table: Path, desc: str):
-        """The held-out eval of ``checkpoint`` after ``done`` iterations (MLflow step)."""
-        t_eval = time.perf_counter()
-        ev = evaluate_checkpoint(
-            checkpoint,
-            eval_path,
-            eval_cfg,
-            desc=desc,
-            force=force,
-            out_table=str(out_table),
-            engine=eval_engine,
-        )
-        evals.append({"iterations_done": done, "step": step, **ev.summary_metrics()})
-        point = {f"eval/{k}": v for k, v in ev.summary_metrics().items()}
-        metrics.add(chart_metrics({**point, "timing/eval_s": time.perf_counter() - t_eval}), done)
-        report.evaluated(done, ev)
-        tracking.log_table(run_id, ev.samples, f"eval_samples/step_{done:04d}.json")
-        return ev, point
-
-    start_eval = None
-    if rl.eval_on_start:  # step 0 of the curves: what RL starts from
-        start_eval, _ = held_out(
-            init_checkpoint, 0, ws.start_eval_table(stage), f"{stage} start eval"
-        )
-    group: IterationGroup | None = None
-    name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
-    for it in range(rl.iterations):
-        if it % rl.eval_every == 0:
-            last_it = min(it + rl.eval_every, rl.iterations) - 1
-            group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
-        roll = named(rollout, f"{name}/rollout-{it}")(
-            stage,
-            it,
-            policy,
-            rl_path,
-            str(ws.rollouts(stage, it)),
-            rl,
-            seed,
-            engine,
-            force=force,
-        )
-        scored = named(score, f"{name}/score-{it}")(
-            stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force
-        )
-        upd = named(update, f"{name}/update-{it}")(
-            stage,
-            it,
-            policy,
-            scored.path,
-            str(ws.iteration_checkpoint(stage, it)),
-            rl,
-            reference_checkpoint=init_checkpoint,
-            init_checkpoint=init_checkpoint,
-            global_step=step,
-            total_steps=total_steps,
-            seed=seed,
-            force=force,
-        )
-        it_cached = roll.cached and scored.cached and upd.cached
-        reused += it_cached
-        group.cached &= bool(it_cached)
-        for i, h in enumerate(upd.history):  # the nested run keeps every optimizer step
-            group.add(step_metrics(h), step + i + 1)
-        done = it + 1  # the x-axis of the stage's curves: iterations done
-        point = {**iteration_means(upd.history), **scored.metrics, **roll.metrics}
-        point = chart_metrics({**point, "timing/update_s": upd.seconds})
-        step, policy = upd.global_step, upd.checkpoint
-        metrics.add(point, done)
-        group.add(point, done)
-        report.iteration(it, point, it_cached)
-        _prune(ws, stage, it)
-        if done % rl.eval_every == 0 or done == rl.iterations:
-            ev, eval_point = held_out(
-                policy, done, ws.iteration_eval_table(stage, it), f"{stage} it{it} eval"
-            )
-            last_table = ev.table
-            group.end(done, eval_point, policy_id(policy))
-            # the training completions the MLflow UI pages through, at this eval point
-            tracking.log_table(run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json")
-            log.info(
-                "%s iteration %d (step %d): held-out accuracy %.3f, reward %.3f",
+    with stage_run(tracking, stage, {"init_checkpoint": init_checkpoint}, config=config) as run_id:
+        _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights)
+        log = StageLog(tracking, run_id, stage, HeldOut(eval_path, eval_cfg, eval_engine, force))
+        policy, step, t0, reused = init_checkpoint, 0, time.perf_counter(), 0
+        last_table = None  # the last in-loop eval's table: the final checkpoint's weights
+        start_eval = None
+        if rl.eval_on_start:  # step 0 of the curves: what RL starts from
+            start_eval = log.held_out(init_checkpoint, 0, step, ws.start_eval_table(stage))
+        name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
+        for it in range(rl.iterations):
+            if it % rl.eval_every == 0:
+                last_it = min(it + rl.eval_every, rl.iterations) - 1
+                group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
+            roll = named(rollout, f"{name}/rollout-{it}")(
                 stage,
                 it,
-                step,
-                ev.accuracy,
-                scored.metrics["reward"],
+                policy,
+                rl_path,
+                str(ws.rollouts(stage, it)),
+                rl,
+                seed,
+                engine,
+                force=force,
             )
-        if not it_cached:  # live curves while training; replayed history goes in one call
-            metrics.flush_every(METRICS_FLUSH_S)
-    final = _final_checkpoint(ws.checkpoint(stage), policy)
-    stage_tags = {
-        "policy_id": policy_id(final),
-        "cached": str(reused == rl.iterations).lower(),
-        # bookkeeping: tags, not metrics
-        "global_step": str(step),
-        "cached_iterations": str(reused),
-    }
-    if reused:
-        log.info("%s: %d of %d iterations reused from cache", stage, reused, rl.iterations)
-    wall = time.perf_counter() - t0
-    metrics.add({"wall_time_s": wall}, rl.iterations)
-    metrics.flush(tags=stage_tags)
-    tracking.log_json(run_id, evals, "eval_history.json")
-    report.publish(tracking, run_id, wall)
-    tracking.end(run_id)
+            scored = named(score, f"{name}/score-{it}")(
+                stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force
+            )
+            upd = named(update, f"{name}/update-{it}")(
+                stage,
+                it,
+                policy,
+                scored.path,
+                str(ws.iteration_checkpoint(stage, it)),
+                rl,
+                reference_checkpoint=init_checkpoint,
+                init_checkpoint=init_checkpoint,
+                global_step=step,
+                total_steps=rl.total_optimizer_steps,
+                seed=seed,
+                force=force,
+            )
+            it_cached = roll.cached and scored.cached and upd.cached
+            reused += it_cached
+            log.iteration(group, it, step, (roll, scored, upd), it_cached)
+            step, policy = upd.global_step, upd.checkpoint
+            _prune(ws, stage, it)
+            done = it + 1  # the x-axis of the stage's curves: iterations done
+            if done % rl.eval_every == 0 or done == rl.iterations:
+                table = ws.iteration_eval_table(stage, it)
+                last_table = log.block_end(group, policy, done, step, table, scored).table
+            if not it_cached:  # live curves while training; replayed history goes in one call
+                log.metrics.flush_every(METRICS_FLUSH_S)
+        final = _final_checkpoint(ws.checkpoint(stage), policy)
+        wall = log.finish(final, step, reused, rl.iterations, t0)
     return RLStageOutcome(
         checkpoint=str(final),
         run_id=run_id,
         global_step=step,
         wall_time_s=wall,
-        evals=evals,
+        evals=log.evals,
         eval_table=last_table,
         start_eval_table=start_eval and start_eval.table,
         cached_iterations=reused,
     )
 
 
-def _start_run(tracking, stage, init_checkpoint, rl, weights, config) -> str:
-    """The stage's MLflow run, with its settings as parameters and ``stage_config.json``."""
+def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:
+    """The stage's settings as its run's parameters and ``stage_config.json``; what it is
+    about to do in the log."""
     knobs = rl.model_dump()
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=config)
     sandbox = rewards.sandbox_params(weights)  # the code sandbox's isolation, resolved now
     tracking.log_params(run_id, {**knobs, "rewards": weights, "sandbox": sandbox})
     tracking.log_json(
@@ -205,7 +136,14 @@ def _start_run(tracking, stage, init_checkpoint, rl, weights, config) -> str:
         {"stage": stage, "init_checkpoint": init_checkpoint, "rewards": weights, **knobs},
         "stage_config.json",
     )
-    return run_id
+    logger(__name__).info(
+        "%s: %d iterations of %d prompts x %d generations from %s",
+        stage,
+        rl.iterations,
+        rl.prompts_per_iteration,
+        rl.num_generations,
+        init_checkpoint,
+    )
 
 
 def _final_checkpoint(final: Path, policy: str) -> Path:

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from flows.cli_args import add_config_args
 from flows.config import DEFAULT_CRON
 
 
@@ -22,15 +23,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Registers the r1-pipeline and stage deployments with the Prefect server "
         "in PREFECT_API_URL and runs their flow runs in this process (Ctrl-C to stop).",
     )
-    p.add_argument(
-        "--config", help="default YAML preset of the r1-pipeline deployment (editable per run)"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="default override of the r1-pipeline deployment (repeatable; editable per run)",
+    add_config_args(
+        p,
+        config_help="default YAML preset of the r1-pipeline deployment (editable per run)",
+        set_help="default override of the r1-pipeline deployment (repeatable; editable per run)",
     )
     p.add_argument(
         "--cron",

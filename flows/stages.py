@@ -59,20 +59,10 @@ def rollout_flow(
     overrides: list[str] | None = None,
 ) -> str:
     ctx = _config(config, overrides)
-    cfg = ctx.cfg
-    data = data or _default_data(ctx, "rl")
+    data, cfg = data or _default_data(ctx, "rl"), ctx.cfg
     out = out or str(ctx.workspace.offline_rollouts(iteration))
-    res = rollout(
-        "offline",
-        iteration,
-        policy,
-        data,
-        out,
-        cfg.rl,
-        cfg.seed,
-        cfg.rollout.engine_spec(),
-    )
-    return res.path
+    spec = cfg.rollout.engine_spec()
+    return rollout("offline", iteration, policy, data, out, cfg.rl, cfg.seed, spec).path
 
 
 @flow(name="stage-score")
@@ -123,8 +113,7 @@ def eval_flow(
 ) -> dict:
     """Greedy held-out evaluation of a checkpoint; per-example table to Parquet."""
     ctx = _config(config, overrides)
-    cfg = ctx.cfg
-    data = data or _default_data(ctx, "eval")
+    data, cfg = data or _default_data(ctx, "eval"), ctx.cfg
     out = out or str(
         Workspace.checkpoint_eval_table(checkpoint, _tag([data, cfg.eval.model_dump()]))
     )

@@ -43,6 +43,12 @@ def chart_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def eval_point(metrics: dict[str, float]) -> dict[str, float]:
+    """A held-out eval's numbers (``EvalOutcome.summary_metrics``) under ``eval/<m>``: the
+    keys every run that shows an eval logs them under (RL and SFT stages, the parent run)."""
+    return {f"eval/{k}": v for k, v in metrics.items()}
+
+
 def step_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One optimizer step's metrics as the nested iteration runs log them."""
     return {f"train/by_step/{k}": v for k, v in metrics.items()}

@@ -27,6 +27,7 @@ from grpo_core.rejection import (
 from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
 from tasks.common import logger
+from tasks.mlflow_runs import stage_run
 from tasks.results import RejectionResult
 from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
 from tasks.score import score_file
@@ -51,34 +52,34 @@ def rejection_sampling(
     shards = rollout_shards(cfg.num_prompts)
     if shards > 1:  # replicas sample their shards with their own seeds (cluster/)
         settings["rollout_shards"] = shards
-    run_id = tracking.start_child(
+    with stage_run(
+        tracking,
         "rejection_sampling",
         {"init_checkpoint": checkpoint, "policy_id": policy_id(checkpoint)},
         config=settings,
-    )
-    tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
-    key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
-    files = SamplingDir(Path(stage_dir))
-    sft_path = str(files.sft_data)
-    out = cached(
-        "rejection_sampling",
-        sft_path,
-        key,
-        force=force,
-        outputs=[files.rollouts, files.scored],
-        compute=lambda: _sample_and_filter(
-            checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
-        ),
-    )
-    per_prompt = acceptance_by_prompt(files, cfg)
-    # a result recorded before the passed / duplicate counts gets them from the scored file
-    out = dataclasses.replace(out, metrics={**selection_metrics(per_prompt), **out.metrics})
-    tracking.log_metrics(run_id, out.metrics)
-    tracking.log_artifact(run_id, sft_path)
-    tracking.set_tags(run_id, {"cache_key": key, "cached": str(out.cached).lower()})
-    tracking.log_table(run_id, per_prompt, "acceptance_by_prompt.json")
-    publish_rejection_artifact(out.metrics, per_prompt, tracking.run_url(run_id), cfg)
-    tracking.end(run_id)
+    ) as run_id:
+        tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
+        key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
+        files = SamplingDir(Path(stage_dir))
+        sft_path = str(files.sft_data)
+        out = cached(
+            "rejection_sampling",
+            sft_path,
+            key,
+            force=force,
+            outputs=[files.rollouts, files.scored],
+            compute=lambda: _sample_and_filter(
+                checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
+            ),
+        )
+        per_prompt = acceptance_by_prompt(files, cfg)
+        # a result recorded before the passed / duplicate counts gets them from the scored file
+        out = dataclasses.replace(out, metrics={**selection_metrics(per_prompt), **out.metrics})
+        tracking.log_metrics(run_id, out.metrics)
+        tracking.log_artifact(run_id, sft_path)
+        tracking.set_tags(run_id, {"cache_key": key, "cached": str(out.cached).lower()})
+        tracking.log_table(run_id, per_prompt, "acceptance_by_prompt.json")
+        publish_rejection_artifact(out.metrics, per_prompt, tracking.run_url(run_id), cfg)
     return dataclasses.replace(out, run_id=run_id)
 
 

@@ -135,6 +135,29 @@ def end_open_runs(status: str, *, flow_run: str | None = None) -> list[str]:
         chosen = [(k, r) for k, r in _open_runs.items() if roots is None or r.root in roots]
         for run_id, _ in chosen:
             del _open_runs[run_id]
+    return _end(chosen, status)
+
+
+def end_runs_from(run_id: str, status: str) -> list[str]:
+    """End ``run_id`` and the runs opened after it that are still open (those nested in it:
+    a stage's iteration runs) with ``status``, the innermost first, as
+    :func:`end_open_runs` does."""
+    _release_store_frames(sys.exception())
+    with _open_guard:
+        ids = list(_open_runs)
+        chosen = [(k, _open_runs[k]) for k in ids[ids.index(run_id) :]] if run_id in ids else []
+        for key, _ in chosen:
+            del _open_runs[key]
+    return _end(chosen, status)
+
+
+def ended_status(exc: BaseException) -> str:
+    """How a run that ``exc`` stopped ends: FAILED for an error; KILLED for a signal
+    (``KeyboardInterrupt``, SIGTERM's exceptions: BaseExceptions, as Prefect's crashes)."""
+    return "FAILED" if isinstance(exc, Exception) else "KILLED"
+
+
+def _end(chosen: list[tuple[str, OpenRun]], status: str) -> list[str]:
     for run_id, run in reversed(chosen):
         with contextlib.suppress(Exception):
             with _open_guard:
