@@ -21,6 +21,7 @@ from grpo_core.data import load_rows
 from tasks import warm
 from tasks.cache import cached, stage_key
 from tasks.common import logger, timer
+from tasks.mlflow_runs import stage_run
 from tasks.results import SFTOutcome
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
@@ -141,17 +142,49 @@ def sft_stage(
     # checkpoint_every changes where training can resume from, not its result
     knobs = cfg.model_dump(exclude={"checkpoint_every"})
     settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}
-    run_id = tracking.start_child(stage, {"init_checkpoint": init_checkpoint}, config=settings)
-    tracking.log_params(run_id, cfg.model_dump())
-    tracking.log_json(
-        run_id,
-        {"stage": stage, "init_checkpoint": init_checkpoint, "data": data_path, **settings},
-        "stage_config.json",
-    )
-    inputs = [init_checkpoint, data_path] + (
-        [dev_path] if dev_path and cfg.target_accuracy is not None else []
-    )
-    key = stage_key("sft", settings, inputs)
+    with stage_run(
+        tracking, stage, {"init_checkpoint": init_checkpoint}, config=settings
+    ) as run_id:
+        tracking.log_params(run_id, cfg.model_dump())
+        tracking.log_json(
+            run_id,
+            {"stage": stage, "init_checkpoint": init_checkpoint, "data": data_path, **settings},
+            "stage_config.json",
+        )
+        inputs = [init_checkpoint, data_path] + (
+            [dev_path] if dev_path and cfg.target_accuracy is not None else []
+        )
+        key = stage_key("sft", settings, inputs)
+
+        log_step, log_restored = _step_loggers(tracking, run_id)
+        out = cached(
+            stage,
+            out_checkpoint,
+            key,
+            force=force,
+            compute=lambda: train_stage(
+                stage,
+                init_checkpoint,
+                data_path,
+                out_checkpoint,
+                cfg,
+                dev_path=dev_path,
+                max_completion_length=max_completion_length,
+                seed=seed,
+                on_step=log_step,
+                on_resume=log_restored,
+                resume_key=key,
+            ),
+        )
+        # done (trained or reused): the mid-stage checkpoint is no longer needed
+        shutil.rmtree(Workspace.resume_checkpoint(out_checkpoint), ignore_errors=True)
+        _log_outcome(tracking, run_id, out, key)
+    return dataclasses.replace(out, run_id=run_id)
+
+
+def _step_loggers(tracking: Tracking, run_id: str):
+    """The SFT loop's callbacks: every 10th step (and each dev eval) to the stage's run, and
+    a resumed stage's restored curve up to its resume point."""
 
     def logged(step: int, m: dict) -> bool:
         return step % 10 == 0 or "dev/accuracy" in m
@@ -161,34 +194,17 @@ def sft_stage(
             tracking.log_metrics(run_id, m, step)
 
     def log_restored(_: int, history: list[dict]) -> None:
-        """A resumed stage's run gets the curve of the steps before the resume point."""
         pending = tracking.pending(run_id)
         for step, m in enumerate(history, 1):
             if logged(step, m):
                 pending.add(m, step)
         pending.flush()
 
-    out = cached(
-        stage,
-        out_checkpoint,
-        key,
-        force=force,
-        compute=lambda: train_stage(
-            stage,
-            init_checkpoint,
-            data_path,
-            out_checkpoint,
-            cfg,
-            dev_path=dev_path,
-            max_completion_length=max_completion_length,
-            seed=seed,
-            on_step=log_step,
-            on_resume=log_restored,
-            resume_key=key,
-        ),
-    )
-    # done (trained or reused): the mid-stage checkpoint is no longer needed
-    shutil.rmtree(Workspace.resume_checkpoint(out_checkpoint), ignore_errors=True)
+    return log_step, log_restored
+
+
+def _log_outcome(tracking: Tracking, run_id: str, out: SFTOutcome, key: str) -> None:
+    """The stage's summary metrics at its last step, and its tags."""
     summary = {
         "steps": out.steps,
         "final_loss": out.final_loss,
@@ -199,8 +215,5 @@ def sft_stage(
     }
     tracking.log_metrics(run_id, summary, out.steps)
     tracking.set_tags(
-        run_id,
-        {"policy_id": out.policy_id, "cache_key": key, "cached": str(out.cached).lower()},
+        run_id, {"policy_id": out.policy_id, "cache_key": key, "cached": str(out.cached).lower()}
     )
-    tracking.end(run_id)
-    return dataclasses.replace(out, run_id=run_id)
