@@ -86,12 +86,12 @@ def run_rl(args) -> None:
     from cluster import process
     from flows.recipe import STAGES, RecipeRun, rl_inputs
     from flows.rl import rl_stage
-    from tasks import warm
+    from tasks import policy_cache
     from tasks.workspace import Workspace
 
-    # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/warm.py)
+    # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/policy_cache.py)
     process.load_policies_with(cfg.model)
-    warm.get(start["checkpoint"])
+    policy_cache.get(start["checkpoint"])
 
     run_dir = Path(args.run_dir)
     ws = Workspace.create(run_dir, "ours")  # a fresh run folder: nothing cached

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class Policy(Protocol):
     """The policy to sample from: its weights in memory and the checkpoint they came from
-    (``tasks/warm.py: WarmPolicy``)."""
+    (``tasks/policy_cache.py: CachedPolicy``)."""
 
     checkpoint: Path
     policy_id: str

@@ -12,11 +12,11 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 - ``store`` / ``store_env``: the run folder's shared store (cluster/storage.py), or None, and
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
-- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/warm.py loads
+- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policy_cache.py loads
   with it, and the stage cache keys name what of it changes results).
 
 What else a process keeps are caches and records of what it has open, each beside the code
-that uses it and emptied by it: the policies in memory (tasks/warm.py), the Ray rollout
+that uses it and emptied by it: the policies in memory (tasks/policy_cache.py), the Ray rollout
 replicas and trainer group (cluster/rollout_workers.py, cluster/trainer_group.py), the MLflow
 runs it has open (tasks/run_states.py, for the signal handlers) and the workspace locks it
 holds (flows/lock.py).

@@ -274,7 +274,7 @@ def publish(*paths: str | Path) -> None:
 
 def pull(*paths: str | Path | None) -> list[str]:
     """Download each of ``paths`` this machine lacks from the shared store; the ones pulled,
-    as ``"<path> from <url>"`` (tasks log them in the run: tasks/common.py ``pull``)."""
+    as ``"<path> from <url>"`` (tasks log them in the run: tasks/run_log.py ``pull``)."""
     store = active()
     if store is None:
         return []

@@ -21,8 +21,8 @@ from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.deployments import R1_FLOW
 from flows.final_eval import FinalEvalInputs, final_evaluation
 from flows.lock import acquire_workspace
+from flows.model_registry import register_final_checkpoint
 from flows.recipe import FINAL_STAGE, RECIPE, STAGES, RecipeRun, same_evaluations, sft_steps
-from flows.registry import register_final_checkpoint
 from flows.run_context import RunContext
 from flows.run_names import named
 from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, run_note
@@ -172,7 +172,7 @@ def _finish(run: RecipeRun, results: dict, summary: dict) -> dict:
             final_stage=FINAL_STAGE,
         )
         summary["registered_model"] = f"{mv.name}/{mv.version}"
-        summary["champion"] = mv.champion()  # flows.registry.registration_line prints both
+        summary["champion"] = mv.champion()  # flows.model_registry.registration_line prints both
     else:  # the same weights were registered by the run that trained them
         summary["registered_model"] = None
     note = run_note(cfg, parent, summary["stages"])

@@ -4,7 +4,7 @@ iterations and at the end. Its MLflow curves are plotted against iterations unde
 keys of tasks/chart_keys.py; its Prefect artifact is flows/rl_report.py's.
 
 Each iteration's rollouts, scores and checkpoint land under ``<stage>/iter_NNNN/``; the
-policy stays warm in this process between tasks (tasks/warm.py). The stage's final policy is
+policy stays warm in this process between tasks (tasks/policy_cache.py). The stage's final policy is
 copied to ``checkpoints/<stage>``. Departures from DeepSeek-R1's GRPO: one generation batch
 feeds ``steps_per_generation / gradient_accumulation_steps`` optimizer steps (TRL's settings of
 the same names; the demo takes 4), beta = 0 by default (no reference model, as DAPO and TRL's
@@ -27,11 +27,11 @@ from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
-from tasks import warm
-from tasks.common import logger
+from tasks import policy_cache
 from tasks.mlflow_runs import stage_run
 from tasks.results import RLStageOutcome
 from tasks.rollout import rollout
+from tasks.run_log import logger
 from tasks.score import score
 from tasks.tracking import Tracking
 from tasks.update import update
@@ -153,7 +153,7 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
         with atomic_path(final) as tmp:
             link_tree(policy, tmp)
         storage.publish(final)
-    warm.relabel(final)  # same weights as the last iteration's checkpoint
+    policy_cache.relabel(final)  # same weights as the last iteration's checkpoint
     return final
 
 

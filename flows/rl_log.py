@@ -12,9 +12,9 @@ from flows.rl_report import IterationGroup, StageReport, rollout_sample
 from grpo_core.checkpoint import policy_id
 from grpo_core.config import EvalConfig
 from tasks.chart_keys import chart_metrics, eval_point, iteration_means, step_metrics
-from tasks.common import logger
 from tasks.evaluate import evaluate_checkpoint
 from tasks.results import EvalOutcome
+from tasks.run_log import logger
 from tasks.tracking import PendingMetrics, Tracking
 
 

@@ -7,7 +7,7 @@ data-parallel update's ranks (flows/ddp_update.py) and the benchmarks. Opening i
 - creates the run folder (``Workspace.create``: the ``.grpo-run`` marker);
 - sets the process up (cluster/process.py, the one place of that state): its shared store
   at ``storage.url`` (cluster/storage.py), how policies are loaded (``model.dtype``,
-  ``model.lora``, ...: tasks/warm.py) and where rollouts, scoring and updates run
+  ``model.lora``, ...: tasks/policy_cache.py) and where rollouts, scoring and updates run
   (``cluster.backend``: cluster/runtime.py);
 - sets the code sandbox's isolation when the config names one (the code rewards of this
   process and of the processes it starts read ``GRPO_SANDBOX_ISOLATION``);

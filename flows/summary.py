@@ -87,7 +87,7 @@ def render_summary(summary: dict, console: Console | None = None) -> None:
         console.print(rejection_line(rs))
     console.print(f"total time {summary['total_time_s']:.0f}s; outputs in {summary['workspace']}")
     if summary.get("registered_model"):
-        from flows.registry import registration_line
+        from flows.model_registry import registration_line
 
         line = registration_line(summary["registered_model"], summary.get("champion"))
         console.print(f"final checkpoint {line} in the MLflow model registry")
@@ -209,7 +209,7 @@ def publish_pipeline_artifact(summary: dict, tracking: Tracking, plot: str | Non
             f" (artifact `{plot}` of the parent run; tracking URI `{tracking.uri}`)"
         )
     if summary.get("registered_model"):
-        from flows.registry import registration_line
+        from flows.model_registry import registration_line
 
         line = registration_line(summary["registered_model"], summary.get("champion"))
         lines.append(f"\nFinal checkpoint {md_cell(line, 300)} in the MLflow model registry.")

@@ -62,9 +62,11 @@ def content_hash(path: str | Path) -> str:
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
-    from tasks import warm  # how policies are loaded (model.dtype, lora, ...): tasks/warm.py
+    from tasks import (
+        policy_cache,  # how policies are loaded (model.dtype, lora, ...): tasks/policy_cache.py
+    )
 
-    model = warm.options_key()
+    model = policy_cache.options_key()
     blob = json.dumps(
         {
             "stage": stage,
@@ -235,7 +237,7 @@ def _pull_record(m: Path, key: str, paths: list[str | Path]) -> bool:
     text = store.read_text(m) if store is not None else None
     if _read_record(text, key) is None:
         return False
-    from tasks.common import logger
+    from tasks.run_log import logger
 
     log = logger(__name__)
     for p in paths:
@@ -297,7 +299,7 @@ def cached(
     the result says ``cached=True|False`` so flows and logs can say what ran. Fields marked
     ``NOT_RECORDED`` are not recorded; a hit rebuilds them with their defaults.
     """
-    from tasks.common import logger
+    from tasks.run_log import logger
 
     if not force:
         hit, why = _check(output, key, outputs)

@@ -14,11 +14,11 @@ from cluster import runtime
 from grpo_core.config import EvalConfig
 from grpo_core.data import load_rows
 from grpo_core.io import atomic_path, write_parquet
-from tasks import warm
+from tasks import policy_cache
 from tasks.cache import cached, lookup, stage_key
-from tasks.common import logger, timer
 from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE
+from tasks.run_log import logger, timer
 
 
 def evaluate_checkpoint(
@@ -63,7 +63,7 @@ def _evaluate(
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
-    w = warm.get(checkpoint)
+    w = policy_cache.get(checkpoint)
     eng = None
     if engine["name"] != "hf":
         eng = runtime.executor().engine(

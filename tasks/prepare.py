@@ -14,7 +14,7 @@ from grpo_core.config import DataConfig, ModelConfig
 from grpo_core.data import load_rows
 from grpo_core.demo.task import make_splits
 from grpo_core.io import write_jsonl
-from tasks.common import logger, pull
+from tasks.run_log import logger, pull
 from tasks.workspace import Workspace
 
 SPLIT_COLUMNS = {

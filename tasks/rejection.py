@@ -26,10 +26,10 @@ from grpo_core.rejection import (
 )
 from grpo_core.rollouts import read_scored
 from tasks.cache import cached, stage_key
-from tasks.common import logger
 from tasks.mlflow_runs import stage_run
 from tasks.results import RejectionResult
 from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
+from tasks.run_log import logger
 from tasks.score import score_file
 from tasks.tracking import Tracking
 from tasks.workspace import SamplingDir

@@ -22,10 +22,10 @@ from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
 from grpo_core.settings import Sampling
 from grpo_core.text import encode_prompt
-from tasks import warm
+from tasks import policy_cache
 from tasks.cache import cached, stage_key
-from tasks.common import logger, timer
 from tasks.results import RolloutResult
+from tasks.run_log import logger, timer
 
 
 def cached_rows(path: str) -> list[dict]:
@@ -88,7 +88,7 @@ def write_rollouts(
     """Sample ``params`` (a ``grpo_core.generation.SamplingParams``) for each prompt of
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
-    w = warm.get(policy_checkpoint)
+    w = policy_cache.get(policy_checkpoint)
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=model_context(w.model.config), max_new_tokens=params.max_new_tokens,
@@ -102,7 +102,7 @@ def write_rollouts(
             params,
             engine=engine["name"],
             engine_options=engine["options"],
-            load_options=warm.options().load_kwargs(trainer=False),  # as this process
+            load_options=policy_cache.options().load_kwargs(trainer=False),  # as this process
             check_sync=engine["check_sync"],
             desc=desc,
         )

@@ -25,8 +25,8 @@ from grpo_core.io import write_parquet
 from grpo_core.rollouts import ROLLOUT_COLUMNS, group_ids, read_rollouts, scored_table
 from grpo_core.settings import Scoring, settings_or_knobs
 from tasks.cache import cached, stage_key
-from tasks.common import logger, timer
 from tasks.results import ScoreOutcome
+from tasks.run_log import logger, timer
 
 OVERLONG = "overlong_penalty"
 

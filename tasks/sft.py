@@ -18,11 +18,11 @@ from prefect.cache_policies import NO_CACHE
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import SFTConfig
 from grpo_core.data import load_rows
-from tasks import warm
+from tasks import policy_cache
 from tasks.cache import cached, stage_key
-from tasks.common import logger, timer
 from tasks.mlflow_runs import stage_run
 from tasks.results import SFTOutcome
+from tasks.run_log import logger, timer
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
 
@@ -51,7 +51,7 @@ def train_stage(
 
     log = logger(__name__)
     rows = load_rows(data_path, required=("prompt", "completion"))
-    w = warm.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
+    w = policy_cache.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
@@ -81,10 +81,10 @@ def train_stage(
             "stage": stage,
             "steps": result.steps,
             "resumed_from": result.resumed_from,
-            **warm.lora_info(w),
+            **policy_cache.lora_info(w),
         },
     )
-    warm.put(out_checkpoint, w)
+    policy_cache.put(out_checkpoint, w)
     log.info(
         "%s: %d steps in %.1fs, final loss %.4f, peak memory %.2f GiB%s",
         stage,

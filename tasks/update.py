@@ -15,10 +15,10 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import RLConfig
-from tasks import warm
+from tasks import policy_cache
 from tasks.cache import cached, stage_key
-from tasks.common import logger, pull
 from tasks.results import UpdateResult
+from tasks.run_log import logger, pull
 
 
 def update_from_file(
@@ -38,7 +38,7 @@ def update_from_file(
 ) -> UpdateResult:
     """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
     with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
-    the stage continues from (``tasks/warm.py: train_state``).
+    the stage continues from (``tasks/policy_cache.py: train_state``).
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
@@ -59,13 +59,13 @@ def update_from_file(
     pull(
         policy_checkpoint,
         reference_checkpoint if rl.beta > 0 else None,
-        init if warm.options().lora is not None else None,  # the LoRA adapter's base
+        init if policy_cache.options().lora is not None else None,  # the LoRA adapter's base
     )
-    w = warm.get(policy_checkpoint, mutate=True, lora_base=init)
+    w = policy_cache.get(policy_checkpoint, mutate=True, lora_base=init)
     dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/parallel.py)
-    if dp.prepare_model(w.model, lora=bool(warm.lora_info(w))):
+    if dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
-    quantized = warm.options().load_in_4bit
+    quantized = policy_cache.options().load_in_4bit
     source, why = old_logprobs_for(rows, rl, w.model, policy=w.policy_id, quantized=quantized)
     logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
     train = _train_state(
@@ -78,7 +78,7 @@ def update_from_file(
         seed=seed,
         total_steps=total_steps,
     )
-    reference = functools.partial(warm.reference, w, reference_checkpoint)
+    reference = functools.partial(policy_cache.reference, w, reference_checkpoint)
     out = train_on_scored(
         w.model,
         train,
@@ -93,7 +93,7 @@ def update_from_file(
     )
     info = {"scored": scored_path, "global_step": out.global_step}
     _save(w, train, out_checkpoint, info, dp, on_ranks=data_parallel is not None)
-    warm.put(out_checkpoint, w)
+    policy_cache.put(out_checkpoint, w)
     return UpdateResult(
         out_checkpoint, out.global_step, out.history, out.seconds, out.peak_memory_gib
     )
@@ -103,7 +103,7 @@ def _train_state(
     w, rl: RLConfig, dp, *, stage: str, init: str, global_step: int, total_steps, seed: int
 ):
     """The stage's optimizer, schedule and RNG states at ``global_step``, kept with the warm
-    policy (tasks/warm.py: train_state; grpo_core/rl_trainer.py: RLOptimization)."""
+    policy (tasks/policy_cache.py: train_state; grpo_core/rl_trainer.py: RLOptimization)."""
     from grpo_core.rl_trainer import RLOptimization
 
     optimization = RLOptimization.of_stage(
@@ -114,7 +114,7 @@ def _train_state(
         total_steps=total_steps,
         sharded=dp.sharded,
     )
-    return warm.train_state(
+    return policy_cache.train_state(
         w,
         key=optimization.key,
         global_step=global_step,
@@ -135,7 +135,7 @@ def _save(w, train, out_checkpoint: str, info: dict, dp, *, on_ranks: bool) -> N
             w.tokenizer,
             out_checkpoint,
             trainer_state=state,
-            info={**info, **warm.lora_info(w)},
+            info={**info, **policy_cache.lora_info(w)},
             state_dict=weights,
         )
         if on_ranks:  # the driver (and the next iteration's ranks) may be elsewhere
@@ -160,7 +160,7 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
 
     return runtime.executor().update(
         update_from_file,
-        functools.partial(update_on_rank, model_options=warm.options()),
+        functools.partial(update_on_rank, model_options=policy_cache.options()),
         kwargs,
         what=f"{kwargs.get('stage', 'offline')} iteration {iteration} update",
         out_checkpoint=kwargs["out_checkpoint"],
@@ -184,7 +184,7 @@ def update(
     force: bool = False,
 ) -> UpdateResult:
     """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
-    identity: tasks/warm.py); ``seed`` seeds the RNGs at the stage's first step."""
+    identity: tasks/policy_cache.py); ``seed`` seeds the RNGs at the stage's first step."""
     knobs = rl.model_dump(exclude={"eval_every", "eval_on_start", "iterations"})
     inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
     settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}

@@ -153,7 +153,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
     from grpo_core.checkpoint import load_checkpoint, policy_id
     from grpo_core.generation import SamplingParams
     from grpo_core.text import encode_prompt
-    from tasks import warm
+    from tasks import policy_cache
 
     model, tok = load_checkpoint(tiny_checkpoint)
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in ROWS]
@@ -168,7 +168,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
             policy_id=policy_id(tiny_checkpoint),
             model=model,
             tokenizer=tok,
-            load_options=warm.options().load_kwargs(trainer=False),  # as tasks/rollout.py
+            load_options=policy_cache.options().load_kwargs(trainer=False),  # as tasks/rollout.py
             desc="rl_1 it3 rollout",
             retries=0,
         ),

@@ -214,7 +214,7 @@ def test_compare_reads_both_runs_from_the_mlflow_server(stack, worker_run, serve
 def test_register_final_checkpoint_on_the_mlflow_server(stack, worker_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from flows.registry import register_final_checkpoint
+    from flows.model_registry import register_final_checkpoint
 
     client = MlflowClient(stack["mlflow"])
     exp = client.get_experiment_by_name("grpo-stack-test")

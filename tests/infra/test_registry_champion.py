@@ -7,7 +7,12 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from flows.registry import ACCURACY_TAG, CHAMPION, register_final_checkpoint, registration_line
+from flows.model_registry import (
+    ACCURACY_TAG,
+    CHAMPION,
+    register_final_checkpoint,
+    registration_line,
+)
 from tasks.tracking import Tracking
 
 MODEL = "champion-test"

@@ -10,7 +10,7 @@ from cluster import process
 from grpo_core.checkpoint import load_checkpoint, resolve_model_path
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
-from tasks import warm
+from tasks import policy_cache
 
 
 def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
@@ -29,14 +29,14 @@ def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
 def test_warm_policy_honours_configured_options(tiny_checkpoint):
     try:
         process.load_policies_with(ModelConfig(dtype="bfloat16", attn_implementation="eager"))
-        w = warm.get(tiny_checkpoint)
+        w = policy_cache.get(tiny_checkpoint)
         assert next(w.model.parameters()).dtype == torch.bfloat16
         assert w.model.config._attn_implementation == "eager"
-        assert warm.options_key()["dtype"] == "bfloat16"
+        assert policy_cache.options_key()["dtype"] == "bfloat16"
     finally:
         process.load_policies_with(ModelConfig())
-        warm.clear()
-    assert warm.options_key() is None  # defaults leave the cache keys as they were
+        policy_cache.clear()
+    assert policy_cache.options_key() is None  # defaults leave the cache keys as they were
 
 
 def test_gradient_checkpointing_same_gradients(tiny_checkpoint):
@@ -98,7 +98,7 @@ def test_device_placement(tiny_checkpoint):
         process.load_policies_with(ModelConfig(device="cuda"))
         try:
             with pytest.raises(UserError, match="model.device"):
-                warm.get(tiny_checkpoint)
+                policy_cache.get(tiny_checkpoint)
         finally:
             process.load_policies_with(ModelConfig())
 

@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from cluster import process
 from flows.config import CHECKPOINT_STAGES, load_config
 from grpo_core.checkpoint import policy_id
-from tasks import warm
+from tasks import policy_cache
 from tasks.workspace import Workspace
 
 
@@ -75,7 +75,7 @@ def test_r1_recipe_on_smollm2(
         summary = r1_pipeline(cfg)
     finally:
         process.load_policies_with(type(cfg.model)())
-        warm.clear()
+        policy_cache.clear()
     assert [r["stage"] for r in summary["stages"]] == list(CHECKPOINT_STAGES)
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
     final = ws.checkpoint("rl_2")

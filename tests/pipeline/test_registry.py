@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.registry import register_final_checkpoint
+from flows.model_registry import register_final_checkpoint
 from grpo_core.checkpoint import (
     POLICY_ID,
     TRAINER_STATE,

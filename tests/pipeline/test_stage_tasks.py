@@ -21,7 +21,7 @@ from grpo_core.io import write_jsonl, write_parquet
 from grpo_core.rewards.format import is_r1_format
 from grpo_core.sft import train_sft
 from grpo_core.text import encode_prompt, prompt_text
-from tasks import warm
+from tasks import policy_cache
 from tasks.evaluate import evaluate_stage
 from tasks.rejection import rejection_sampling
 from tasks.results import EvalOutcome, RejectionResult, SFTOutcome
@@ -71,8 +71,8 @@ def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path)
     rl = RLConfig(
         prompts_per_iteration=4, num_generations=4, steps_per_generation=2, max_completion_length=12
     )
-    warm.clear()
-    loads = warm.STATS["loads"]
+    policy_cache.clear()
+    loads = policy_cache.STATS["loads"]
     roll = rollout.fn(
         "rl_1", 0, str(tiny_checkpoint), data["rl"], str(tmp_path / "r.parquet"), rl, 0
     )
@@ -87,10 +87,10 @@ def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path)
     up = update.fn("rl_1", 0, str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl)
     assert pq.read_table(roll.path).num_rows == 16
     assert len(up.history) == 2 and up.global_step == 2
-    assert warm.STATS["loads"] == loads + 1  # loaded once, then warm from rollout to update
+    assert policy_cache.STATS["loads"] == loads + 1  # loaded once, then warm from rollout to update
     # the next rollout asks for the new checkpoint: still no load from disk
     rollout.fn("rl_1", 1, up.checkpoint, data["rl"], str(tmp_path / "r1.parquet"), rl, 0)
-    assert warm.STATS["loads"] == loads + 1
+    assert policy_cache.STATS["loads"] == loads + 1
     state = json.loads((tmp_path / "ckpt" / "checkpoint_info.json").read_text())
     assert state["global_step"] == 2
 
@@ -103,10 +103,10 @@ def test_update_from_a_scored_file_of_another_run_loads_from_disk(tiny_checkpoin
         "rl_1", 0, str(tiny_checkpoint), data["rl"], str(tmp_path / "r.parquet"), rl, 0
     )
     sc = score.fn("rl_1", 0, roll.path, str(tmp_path / "s.parquet"), {"format": 1.0}, rl)
-    warm.clear()
-    loads = warm.STATS["loads"]
+    policy_cache.clear()
+    loads = policy_cache.STATS["loads"]
     up = update.fn("offline", 0, str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl)
-    assert warm.STATS["loads"] == loads + 1
+    assert policy_cache.STATS["loads"] == loads + 1
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
     assert up.history[0]["learning_rate"] == pytest.approx(rl.learning_rate)
 

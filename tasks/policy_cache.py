@@ -35,7 +35,7 @@ from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint, policy_id
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
-from tasks.common import logger
+from tasks.run_log import logger
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
     import torch
@@ -47,7 +47,7 @@ _LOCK = threading.Lock()
 
 
 @dataclass
-class WarmPolicy:
+class CachedPolicy:
     checkpoint: Path
     policy_id: str
     model: torch.nn.Module
@@ -57,7 +57,7 @@ class WarmPolicy:
     loaded_with: dict = field(default_factory=lambda: _loading())  # the options it was loaded with
 
 
-_WARM: dict[str, WarmPolicy] = {}  # slot ("policy", "reference") -> warm model
+_WARM: dict[str, CachedPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0}
 
 
@@ -82,7 +82,7 @@ def _load(checkpoint: Path):
     return load_checkpoint(checkpoint, **STATE.model.load_kwargs())
 
 
-def _cached(slot: str) -> WarmPolicy | None:
+def _cached(slot: str) -> CachedPolicy | None:
     """The model in ``slot``, unless it was loaded with other options than today's (then it
     is dropped: a new setup loads anew)."""
     warm = _WARM.get(slot)
@@ -92,7 +92,9 @@ def _cached(slot: str) -> WarmPolicy | None:
     return warm
 
 
-def _with_adapter(warm: WarmPolicy | None, checkpoint: Path, pid: str, base: Path) -> WarmPolicy:
+def _with_adapter(
+    warm: CachedPolicy | None, checkpoint: Path, pid: str, base: Path
+) -> CachedPolicy:
     """The policy of ``checkpoint`` as a LoRA adapter on ``base``: the warm model when it
     already is that, the warm model (merged) with a fresh adapter when ``checkpoint`` is the
     base itself, else loaded from disk (the base plus the checkpoint's ``adapter/``)."""
@@ -123,7 +125,7 @@ def _with_adapter(warm: WarmPolicy | None, checkpoint: Path, pid: str, base: Pat
         model, tokenizer = _load(base)
         model = lora.load_adapter(model, adapter)
     model.peft_config["default"].base_model_name_or_path = str(base)
-    warm = WarmPolicy(checkpoint, pid, model, tokenizer)
+    warm = CachedPolicy(checkpoint, pid, model, tokenizer)
     warm.extra.update(lora_base=str(base), lora_base_id=base_id)
     return warm
 
@@ -137,14 +139,14 @@ def _read_info(checkpoint: Path) -> dict:
         return {}
 
 
-def lora_info(warm: WarmPolicy) -> dict:
+def lora_info(warm: CachedPolicy) -> dict:
     """What a checkpoint of a LoRA policy records in checkpoint_info.json: its base."""
     if "lora_base_id" not in warm.extra:
         return {}
     return {"lora_base": warm.extra["lora_base"], "lora_base_policy_id": warm.extra["lora_base_id"]}
 
 
-def reference(warm: WarmPolicy, checkpoint: str | Path):
+def reference(warm: CachedPolicy, checkpoint: str | Path):
     """The reference model for an update of ``warm``: with LoRA on ``checkpoint``'s
     weights, the policy's own modules with the adapter disabled; else ``checkpoint``'s model
     (slot ``reference``)."""
@@ -159,7 +161,7 @@ def get(
     *,
     mutate: bool = False,
     lora_base: str | Path | None = None,
-) -> WarmPolicy:
+) -> CachedPolicy:
     """The model of ``checkpoint``, from memory when it is already there.
 
     ``mutate=True`` (training): the entry leaves the cache until :func:`put` records the
@@ -190,7 +192,7 @@ def get(
             model = warm.model
         else:
             model, tokenizer = _load(checkpoint)
-            warm = WarmPolicy(checkpoint, pid, model, tokenizer)
+            warm = CachedPolicy(checkpoint, pid, model, tokenizer)
         model.eval()
         STATS["loads"] += 1
         log.info("loaded %s (%s) from disk into slot %s", checkpoint, pid, slot)
@@ -199,7 +201,7 @@ def get(
         return warm
 
 
-def put(checkpoint: str | Path, warm: WarmPolicy, slot: str = "policy") -> None:
+def put(checkpoint: str | Path, warm: CachedPolicy, slot: str = "policy") -> None:
     """Record that ``warm.model`` now holds the weights saved at ``checkpoint``."""
     with _LOCK:
         warm.checkpoint = Path(checkpoint)
@@ -207,7 +209,7 @@ def put(checkpoint: str | Path, warm: WarmPolicy, slot: str = "policy") -> None:
         _WARM[slot] = warm
 
 
-def train_state(warm: WarmPolicy, **kwargs) -> TrainState:
+def train_state(warm: CachedPolicy, **kwargs) -> TrainState:
     """The train state to continue ``warm``'s stage with (grpo_core/trainer.py:
     :func:`~grpo_core.trainer.continue_train_state`), kept with the warm model."""
     from grpo_core.trainer import continue_train_state
