@@ -29,7 +29,7 @@ from tests_support import TINY_OVERRIDES
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
 MARKER = "GRPO_RESUME_TEST"  # in the environment of every process a run starts
-PACKAGES = ("grpo_core", "tasks", "flows", "configs", "infra")
+PACKAGES = ("grpo_core", "tasks", "cluster", "flows", "configs", "infra")
 
 # Long enough SFT stages to be killed between resume checkpoints, three RL iterations each.
 RESUME_OVERRIDES = {
