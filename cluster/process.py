@@ -7,8 +7,7 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 
 - ``cluster``: where rollouts, scoring and updates run (the ``cluster:`` section);
   ``executor`` is built from it on first use (cluster/executor.py; it keeps the process's
-  rollout engines) and ``ray_started_here`` says whether this process started a local Ray
-  (cluster/runtime.py stops it at exit);
+  rollout engines);
 - ``store`` / ``store_env``: the run folder's shared store (cluster/storage.py), or None, and
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 class ProcessState:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     executor: Local | None = None
-    ray_started_here: bool = False
     store: RunStore | None = None
     store_env: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)

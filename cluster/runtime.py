@@ -51,7 +51,6 @@ def ensure_ray(cfg: ClusterConfig | None = None):
         from cluster.resources import local_num_cpus
 
         ray.init(num_cpus=local_num_cpus(cfg), include_dashboard=False, log_to_driver=True)
-        STATE.ray_started_here = True
         atexit.register(shutdown)
         log.info("started a local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
     return ray
@@ -70,4 +69,3 @@ def shutdown() -> None:
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
-    STATE.ray_started_here = False

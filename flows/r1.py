@@ -95,8 +95,9 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             if stage.publish is not None:
                 stage.publish(stage.name, out, tracking)
         # Final evaluation: every stage's checkpoint, same held-out rows, same greedy decoding.
-        t0 = time.perf_counter()
-        results = final_evaluation(
+        results = timed(
+            "final_evaluation",
+            final_evaluation,
             cfg,
             ws,
             tracking,
@@ -109,7 +110,6 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
                 wall_times=timings,
             ),
         )
-        timings["final_evaluation"] = time.perf_counter() - t0
         return _finish(run, results, _summary(run, results, timings, t_start))
 
 
