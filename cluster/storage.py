@@ -132,9 +132,13 @@ class RunStore:
                 self.fs.rm_file(tmp)
 
     def remove(self, path: str | Path) -> None:
-        """Delete a file of the run folder from the store (pruned trainer state)."""
+        """Delete a file or folder of the run folder from the store (a pruned checkpoint)."""
         remote = self.remote(path)
-        if remote is not None and self.fs.isfile(remote):
+        if remote is None:
+            return
+        if self.fs.isdir(remote):
+            self.fs.rm(remote, recursive=True)
+        elif self.fs.isfile(remote):
             self.fs.rm_file(remote)
 
     # -- download ------------------------------------------------------------------------

@@ -3,9 +3,13 @@ with a held-out eval of the starting checkpoint (``rl.eval_on_start``), every ``
 iterations and at the end. Its MLflow curves are plotted against iterations under the chart
 keys of tasks/chart_keys.py; its Prefect artifact is flows/rl_report.py's.
 
-Each iteration's rollouts, scores and checkpoint land under ``<stage>/iter_NNNN/``; the
-policy stays warm in this process between tasks (tasks/policy_cache.py). The stage's final policy is
-copied to ``checkpoints/<stage>``. Departures from DeepSeek-R1's GRPO: one generation batch
+Each iteration's rollouts, scores and policy record (tasks/policy_ref.py) land under
+``<stage>/iter_NNNN/``; the policy stays warm in this process between tasks
+(tasks/policy_cache.py). The full train state is kept every ``rl.save_steps`` iterations and
+at the end, written in the background, and only the last ``rl.save_total_limit`` of those
+stay; a rerun that needs an iteration in between replays the updates from the nearest kept
+state on the cached scored files (no generation, no scoring). The stage's final policy is
+hard-linked to ``checkpoints/<stage>``. Departures from DeepSeek-R1's GRPO: one generation batch
 feeds ``steps_per_generation / gradient_accumulation_steps`` optimizer steps (TRL's settings of
 the same names; the demo takes 4), beta = 0 by default (no reference model, as DAPO and TRL's
 default), and the learning-rate schedule is ``rl.lr_scheduler_type`` (constant by default)
@@ -14,6 +18,7 @@ over the stage's optimizer steps.
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -24,10 +29,10 @@ from flows.rl_log import HeldOut, StageLog
 from flows.rl_report import IterationGroup
 from flows.run_names import named
 from grpo_core import rewards
-from grpo_core.checkpoint import POLICY_ID, TRAINER_STATE, policy_id
+from grpo_core.checkpoint import POLICY_ID, policy_id, save_checkpoint
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
-from tasks import policy_cache
+from tasks import policy_cache, policy_ref
 from tasks.mlflow_runs import stage_run
 from tasks.results import RLStageOutcome
 from tasks.rollout import rollout
@@ -37,7 +42,6 @@ from tasks.tracking import Tracking
 from tasks.update import update
 from tasks.workspace import Workspace
 
-KEEP_ITERATION_CHECKPOINTS = 2
 # while a stage trains, its curves reach MLflow at most this often (and at its end)
 METRICS_FLUSH_S = 10.0
 
@@ -84,7 +88,13 @@ def rl_stage(
                 force=force,
             )
             scored = named(score, f"{name}/score-{it}")(
-                stage, it, roll.path, str(ws.scored(stage, it)), weights, rl, force=force
+                stage,
+                it,
+                roll.path,
+                str(ws.scored(stage, it)),
+                rl.rewards_at(it, weights),
+                rl,
+                force=force,
             )
             upd = named(update, f"{name}/update-{it}")(
                 stage,
@@ -99,18 +109,21 @@ def rl_stage(
                 total_steps=rl.total_optimizer_steps,
                 seed=seed,
                 force=force,
+                ref_path=str(ws.policy_ref(stage, it)),
+                keep=rl.saves_at(it),
             )
             it_cached = roll.cached and scored.cached and upd.cached
             reused += it_cached
             log.iteration(group, it, step, (roll, scored, upd), it_cached)
             step, policy = upd.global_step, upd.checkpoint
-            _prune(ws, stage, it)
+            _prune(ws, stage, it, rl)
             done = it + 1  # the x-axis of the stage's curves: iterations done
             if done % rl.eval_every == 0 or done == rl.iterations:
                 table = ws.iteration_eval_table(stage, it)
                 last_table = log.block_end(group, policy, done, step, table, scored).table
             if not it_cached:  # live curves while training; replayed history goes in one call
                 log.metrics.flush_every(METRICS_FLUSH_S)
+        policy_cache.WRITER.drain()  # the kept checkpoints are in place
         final = _final_checkpoint(ws.checkpoint(stage), policy)
         wall = log.finish(final, step, reused, rl.iterations, t0)
     return RLStageOutcome(
@@ -147,24 +160,36 @@ def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None
 
 
 def _final_checkpoint(final: Path, policy: str) -> Path:
-    """``checkpoints/<stage>``: the last iteration's weights, hard-linked (its files are never
-    rewritten), shared through the store, and known to the warm cache by its new path."""
-    if not (final / POLICY_ID).exists() or policy_id(final) != policy_id(policy):
+    """``checkpoints/<stage>``: the last iteration's kept checkpoint, hard-linked (its files
+    are never rewritten), shared through the store, and known to the warm cache by its new
+    path."""
+    kept = policy_ref.read_ref(policy).kept() if policy_ref.is_ref(policy) else Path(policy)
+    if kept is None:  # pruned, or lost with its background write: the weights are in memory
+        w = policy_cache.get(policy)
         with atomic_path(final) as tmp:
-            link_tree(policy, tmp)
+            save_checkpoint(w.model, w.tokenizer, tmp, expected_id=w.policy_id)
+        storage.publish(final)
+    elif not (final / POLICY_ID).exists() or policy_id(final) != policy_id(kept):
+        with atomic_path(final) as tmp:
+            link_tree(kept, tmp)
         storage.publish(final)
     policy_cache.relabel(final)  # same weights as the last iteration's checkpoint
     return final
 
 
-def _prune(ws: Workspace, stage: str, it: int) -> None:
-    """Drop the trainer state (optimizer, schedule, RNG) of iterations older than the last
-    ``KEEP_ITERATION_CHECKPOINTS``. A rerun after a crash continues from the last finished
-    iteration, whose state is kept: it trains exactly as the uninterrupted run. Weights,
-    rollouts and scores of every iteration stay; an older iteration recomputed later (its
-    inputs changed) has lost its optimizer state and starts AdamW fresh, with a warning."""
-    old = it - KEEP_ITERATION_CHECKPOINTS
-    if old >= 0:
-        state = ws.iteration_checkpoint(stage, old) / TRAINER_STATE
-        state.unlink(missing_ok=True)
-        storage.remove(state)
+def _prune(ws: Workspace, stage: str, it: int, rl: RLConfig) -> None:
+    """After iteration ``it``: keep the checkpoints of the last ``rl.save_total_limit`` save
+    points (``rl.save_steps``) and delete older ones; a checkpoint written at another
+    iteration (data-parallel ranks write every update's, for the rollout replicas) once the
+    next one exists. Rollouts, scores and policy records of every iteration stay: a rerun
+    replays from the nearest kept state."""
+    saves = [j for j in range(it + 1) if rl.saves_at(j)]
+    keep = set(saves[-rl.save_total_limit :]) | {it}
+    for j in range(it + 1):
+        path = ws.iteration_checkpoint(stage, j)
+        if j in keep or not path.exists():
+            continue
+        if policy_cache.WRITER.is_pending(path):
+            policy_cache.WRITER.drain()
+        shutil.rmtree(path, ignore_errors=True)
+        storage.remove(path)

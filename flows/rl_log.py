@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
-from grpo_core.checkpoint import policy_id
 from grpo_core.config import EvalConfig
+from tasks import policy_cache
 from tasks.chart_keys import chart_metrics, eval_point, iteration_means, step_metrics
 from tasks.evaluate import evaluate_checkpoint
 from tasks.results import EvalOutcome
@@ -85,7 +85,7 @@ class StageLog:
         """The eval that ends a block of iterations: the held-out eval of ``policy``, the
         block's run ended with it, a sample of the training completions in the stage's run."""
         ev = self.held_out(policy, done, step, table)
-        group.end(done, eval_point(ev.summary_metrics()), policy_id(policy))
+        group.end(done, eval_point(ev.summary_metrics()), policy_cache.policy_id(policy))
         # the training completions the MLflow UI pages through, at this eval point
         it = done - 1
         self.tracking.log_table(
@@ -105,7 +105,7 @@ class StageLog:
         """The stage's last tags and metrics, its eval history and Prefect report; returns
         its wall time (from ``t0``)."""
         stage_tags = {
-            "policy_id": policy_id(final),
+            "policy_id": policy_cache.policy_id(final),
             "cached": str(reused == iterations).lower(),
             # bookkeeping: tags, not metrics
             "global_step": str(step),

@@ -1,10 +1,11 @@
 """Checkpoints: Hugging Face ``save_pretrained`` directories plus trainer state for resume.
 
 A checkpoint is written to a temporary directory and renamed into place. Its ``policy_id``
-is a content hash of the weights, stamped on every rollout the policy samples. It is never
-taken on trust from a file: ``policy_id.txt`` is only a memo of the hash together with the
-size and modification time of each weight file it was computed from, and the weights are
-hashed again whenever one of those differs.
+is a content hash of the weights (grpo_core/weights_id.py: the same for the weights in
+memory and in files), stamped on every rollout the policy samples. It is never taken on
+trust from a file: ``policy_id.txt`` is only a memo of the hash together with the size and
+modification time of each weight file it was computed from, and the weights are hashed
+again whenever one of those differs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_core.io import atomic_path, write_json
+from grpo_core.weights_id import files_id, savable_state_dict
 
 if TYPE_CHECKING:  # torch/transformers load on first use: hashing a checkpoint needs neither
     import torch
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 WEIGHTS = "model.safetensors"
 TRAINER_STATE = "trainer_state.pt"
 POLICY_ID = "policy_id.txt"
+_MEMO_KIND = "# tensor-sha256"  # the memo's second line: how its id was computed
 INFO = "checkpoint_info.json"
 
 # The files of a checkpoint that make the model: what ``from_pretrained`` reads (model,
@@ -55,7 +58,7 @@ MODEL_FILES = (
 # extra named chat templates (*.jinja); a LoRA checkpoint's adapter (grpo_core/lora.py)
 MODEL_DIRS = ("additional_chat_templates", "adapter")
 
-STATS = {"files_hashed": 0}  # files read in full by file_sha256 (tests count them)
+STATS = {"files_hashed": 0}  # files read in full by file_sha256 or policy_id (tests count them)
 _MEMO: dict[tuple, str] = {}  # (dev, inode, size, mtime_ns, ctime_ns) -> sha256
 _MEMO_LOCK = threading.Lock()
 
@@ -156,57 +159,59 @@ def save_checkpoint(
     trainer_state: dict | None = None,
     info: dict | None = None,
     state_dict: dict | None = None,
+    expected_id: str | None = None,
 ) -> Path:
     """``save_pretrained`` model and tokenizer (safetensors) into ``out_dir`` atomically.
 
     A ``peft`` model is saved as its merged weights plus its adapter in ``adapter/``
     (grpo_core/lora.py). ``state_dict``: the weights to write instead of the model's own (a
-    sharded model's gathered weights, grpo_core/fsdp.py)."""
+    sharded model's gathered weights, grpo_core/fsdp.py; a CPU copy written in the
+    background, grpo_core/checkpoint_writer.py). ``expected_id``: the ``policy_id`` those
+    weights had in memory; written files that hash otherwise raise, and nothing is moved
+    into place."""
     import torch
 
     from grpo_core import lora
 
     out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
-        if state_dict is not None:
-            model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        elif lora.is_peft(model):
-            lora.save_merged(model, tmp)
+        weights = savable_state_dict(model) if state_dict is None else state_dict
+        if lora.is_peft(model):
+            lora.save_merged(model, tmp, state=weights)
             lora.save_adapter(model, tmp / lora.ADAPTER_DIR)
-        else:
-            model.save_pretrained(tmp, safe_serialization=True)
+        else:  # a copy of the dict: save_pretrained pops from it
+            model.save_pretrained(tmp, state_dict=dict(weights), safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if trainer_state is not None:
             torch.save(trainer_state, tmp / TRAINER_STATE)
         files = weight_files(tmp)
-        _write_memo(tmp / POLICY_ID, _weights_hash(files), {f.name: stamp(f) for f in files})
+        pid = files_id(files)
+        if expected_id is not None and pid != expected_id:
+            raise RuntimeError(
+                f"{out_dir}: the written weights hash to policy {pid}, the weights in memory "
+                f"to {expected_id}; the checkpoint is not kept"
+            )
+        _write_memo(tmp / POLICY_ID, pid, {f.name: stamp(f) for f in files})
         if info:
             write_json(info, tmp / "checkpoint_info.json")
     return out_dir
-
-
-def _weights_hash(files: list[Path]) -> str:
-    h = hashlib.sha256()
-    for f in files:
-        h.update(memo_sha256(f).encode())
-    return h.hexdigest()[:16]
 
 
 def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:
     """``(policy_id, {weight file: (size, mtime_ns, ctime_ns)})`` from ``policy_id.txt``, or
     None.
 
-    Format: the policy id on the first line, then ``<size> <mtime_ns> <ctime_ns> <file name>``
+    Format: the policy id on the first line, how it was computed on the second, then ``<size> <mtime_ns> <ctime_ns> <file name>``
     for each weight file it was computed from. A memo without them (older checkpoints, whose
     lines had no ctime) has no stamps to match, so the weights are hashed again."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
         return None
-    if not lines or not lines[0].strip():
-        return None
+    if len(lines) < 2 or not lines[0].strip() or lines[1] != _MEMO_KIND:
+        return None  # empty, or an id computed another way (older checkpoints)
     stamps = {}
-    for line in lines[1:]:
+    for line in lines[2:]:
         parts = line.split(" ", 3)
         if len(parts) != 4 or not all(x.isdigit() for x in parts[:3]):
             return None
@@ -215,14 +220,18 @@ def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:
 
 
 def _write_memo(path: Path, pid: str, stamps: dict[str, tuple[int, int, int]]) -> None:
-    lines = [pid, *(f"{a} {b} {c} {name}" for name, (a, b, c) in sorted(stamps.items()))]
+    lines = [
+        pid,
+        _MEMO_KIND,
+        *(f"{a} {b} {c} {name}" for name, (a, b, c) in sorted(stamps.items())),
+    ]
     with atomic_path(path) as tmp:
         tmp.write_text("\n".join(lines) + "\n")
 
 
 def policy_id(ckpt_dir: str | Path) -> str:
-    """Content hash of a checkpoint's weights: the first 16 hex digits of a sha256 over the
-    sha256 of every ``*.safetensors`` file.
+    """Content hash of a checkpoint's weights: the first 16 hex digits of a sha256 over
+    every tensor of its ``*.safetensors`` files (grpo_core/weights_id.py).
 
     ``policy_id.txt`` is a memo, trusted only while every weight file has the size and
     modification time it records; otherwise the weights are hashed again and an existing
@@ -234,7 +243,8 @@ def policy_id(ckpt_dir: str | Path) -> str:
     memo = _read_memo(memo_path)
     if memo is not None and memo[1] == stamps:
         return memo[0]
-    pid = _weights_hash(files)
+    pid = files_id(files)
+    STATS["files_hashed"] += len(files)
     if memo_path.exists():
         if memo is not None and memo[0] != pid:
             log.warning(

@@ -125,11 +125,14 @@ def merged_state_dict(model, *, dtype: torch.dtype | None = None) -> dict[str, t
     return out
 
 
-def save_merged(model, out_dir: str | Path, *, dtype: torch.dtype | None = None) -> None:
+def save_merged(
+    model, out_dir: str | Path, *, dtype: torch.dtype | None = None, state: dict | None = None
+) -> None:
     """``save_pretrained`` of the merged model into ``out_dir`` (config, generation config,
-    safetensors), without modifying the adapter model."""
+    safetensors), without modifying the adapter model. ``state``: the merged weights, when
+    the caller has them already."""
     base = model.get_base_model()
-    state = merged_state_dict(model, dtype=dtype)
+    state = dict(merged_state_dict(model, dtype=dtype) if state is None else state)
     quant = getattr(base.config, "quantization_config", None)
     if quant is not None:  # QLoRA: the merged copy is dense
         del base.config.quantization_config

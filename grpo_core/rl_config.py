@@ -108,6 +108,25 @@ class RLConfig(TrainingKnobs):
         description="held-out eval of the starting checkpoint (step 0 of the stage's curves; "
         "in `grpo run` it is also the previous stage's final evaluation, so it costs nothing)",
     )
+    save_steps: int = Field(
+        10,
+        ge=1,
+        description="keep the full train state (weights, AdamW, schedule, RNG) every N "
+        "iterations and at the stage's end; the iterations between stay in memory and are "
+        "replayed from their cached scored files when a rerun needs them (TRL's save_steps)",
+    )
+    save_total_limit: int = Field(
+        2,
+        ge=1,
+        description="kept train states of the stage besides its final checkpoint (the oldest "
+        "are deleted; TRL's save_total_limit)",
+    )
+    reward_weights_from: dict[int, dict[str, float]] = Field(
+        default_factory=dict,
+        description="{iteration: {reward: weight}}: from that iteration on, these weights "
+        "replace the `rewards` entries of the same name (a reward curriculum; a rerun that "
+        "adds one reuses the iterations before it)",
+    )
     rewards_max_error_rate: float = Field(
         1.0,
         gt=0,
@@ -115,6 +134,18 @@ class RLConfig(TrainingKnobs):
         description="stop the stage when a reward function fails on at least this share of an "
         "iteration's rows (1.0: only when it fails on every row)",
     )
+
+    def rewards_at(self, iteration: int, weights: dict[str, float]) -> dict[str, float]:
+        """The reward weights of ``iteration``: ``weights`` with the entries of
+        ``reward_weights_from`` at or before it applied in order."""
+        out = dict(weights)
+        for start in sorted(k for k in self.reward_weights_from if k <= iteration):
+            out.update(self.reward_weights_from[start])
+        return out
+
+    def saves_at(self, iteration: int) -> bool:
+        """Whether the update of ``iteration`` keeps its train state (a save point)."""
+        return (iteration + 1) % self.save_steps == 0 or iteration + 1 == self.iterations
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:

@@ -53,11 +53,15 @@ def code_version() -> str:
 
 
 def content_hash(path: str | Path) -> str:
-    """Weights hash for a checkpoint directory (its verified ``policy_id``), sha256 for a
-    file (memoised in the process on the file's identity, size and mtime)."""
+    """Weights hash for a checkpoint directory (its verified ``policy_id``) or an RL
+    iteration's policy record (tasks/policy_ref.py), sha256 for a file (memoised in the process on the file's identity, size and mtime)."""
+    from tasks import policy_ref
+
     p = Path(path)
     if p.is_dir():
         return policy_id(p)
+    if policy_ref.is_ref(p):  # an RL iteration's policy: the hash of its weights, as recorded
+        return policy_ref.read_ref(p).policy_id
     return memo_sha256(p)
 
 

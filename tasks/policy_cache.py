@@ -32,9 +32,12 @@ from typing import TYPE_CHECKING
 
 from cluster.process import STATE
 from grpo_core import lora
-from grpo_core.checkpoint import load_checkpoint, policy_id
+from grpo_core.checkpoint import load_checkpoint
+from grpo_core.checkpoint import policy_id as checkpoint_policy_id
+from grpo_core.checkpoint_writer import CheckpointWriter
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
+from tasks import policy_ref
 from tasks.run_log import logger
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
@@ -58,7 +61,17 @@ class CachedPolicy:
 
 
 _WARM: dict[str, CachedPolicy] = {}  # slot ("policy", "reference") -> warm model
-STATS = {"loads": 0, "hits": 0}
+STATS = {"loads": 0, "hits": 0, "replays": 0}
+# the kept checkpoints of RL updates, written in the background (grpo_core/checkpoint_writer.py)
+WRITER = CheckpointWriter()
+
+
+def policy_id(path: str | Path) -> str:
+    """The ``policy_id`` of a checkpoint folder (its weights' hash) or of an RL iteration's
+    policy record (tasks/policy_ref.py: the hash it recorded)."""
+    if policy_ref.is_ref(path):
+        return policy_ref.read_ref(path).policy_id
+    return checkpoint_policy_id(path)
 
 
 def options() -> ModelConfig:
@@ -170,22 +183,13 @@ def get(
     the checkpoint the adapter sits on, the stage's initial one.
     """
     checkpoint = Path(checkpoint)
+    if policy_ref.is_ref(checkpoint):
+        return _get_ref(checkpoint, slot, mutate=mutate, lora_base=lora_base)
     pid = policy_id(checkpoint)
     train_lora = lora_base is not None and STATE.model.lora is not None
     with _LOCK:
-        warm = _cached(slot)
-        if warm is not None and warm.policy_id == pid:
-            STATS["hits"] += 1
-            warm.checkpoint = checkpoint
-            if train_lora:
-                adapted = _with_adapter(warm, checkpoint, pid, Path(lora_base))
-                if adapted is not warm:
-                    _WARM.pop(slot, None)
-                    warm = adapted
-                    if not mutate:
-                        _WARM[slot] = warm
-            if mutate:
-                _WARM.pop(slot, None)
+        warm = _warm_hit(slot, checkpoint, pid, mutate=mutate, lora_base=lora_base)
+        if warm is not None:
             return warm
         if train_lora:
             warm = _with_adapter(None, checkpoint, pid, Path(lora_base))
@@ -201,11 +205,82 @@ def get(
         return warm
 
 
-def put(checkpoint: str | Path, warm: CachedPolicy, slot: str = "policy") -> None:
-    """Record that ``warm.model`` now holds the weights saved at ``checkpoint``."""
+def _warm_hit(
+    slot: str, checkpoint: Path, pid: str, *, mutate: bool, lora_base
+) -> CachedPolicy | None:
+    """The model in ``slot`` when it holds the weights ``pid`` (named ``checkpoint`` from
+    now on), else None. Called with the lock held."""
+    warm = _cached(slot)
+    if warm is None or warm.policy_id != pid:
+        return None
+    STATS["hits"] += 1
+    warm.checkpoint = checkpoint
+    if lora_base is not None and STATE.model.lora is not None:
+        adapted = _with_adapter(warm, checkpoint, pid, Path(lora_base))
+        if adapted is not warm:
+            _WARM.pop(slot, None)
+            warm = adapted
+            if not mutate:
+                _WARM[slot] = warm
+    if mutate:
+        _WARM.pop(slot, None)
+    return warm
+
+
+def _get_ref(path: Path, slot: str, *, mutate: bool, lora_base) -> CachedPolicy:
+    """The policy an RL iteration's record names (tasks/policy_ref.py): from memory, else
+    from its kept checkpoint, else by replaying its update from its parent (recursively, so
+    from the nearest kept state) and checking that the replay gives the recorded weights."""
+    ref = policy_ref.read_ref(path)
+    with _LOCK:
+        warm = _warm_hit(slot, path, ref.policy_id, mutate=mutate, lora_base=lora_base)
+    if warm is not None:
+        return warm
+    if ref.checkpoint and WRITER.is_pending(ref.checkpoint):
+        WRITER.drain()  # its background write: finished before it is read
+    kept = ref.kept()
+    if kept is not None:
+        warm = get(kept, slot, mutate=mutate, lora_base=lora_base)
+        if warm.policy_id != ref.policy_id:
+            raise UserError(
+                f"{path}: records policy {ref.policy_id} kept in {kept}, which holds "
+                f"{warm.policy_id}; rerun the stage with --force"
+            )
+        return warm
+    if slot != "policy":
+        raise UserError(f"{path}: a policy record is not a {slot} model; give a checkpoint")
+    why = "its background write did not finish" if ref.checkpoint else "not a save point"
+    logger(__name__).info(
+        "%s: policy %s is not in memory and has no kept checkpoint (%s): replaying the "
+        "update of iteration %s from %s",
+        path.parent.name,
+        ref.policy_id,
+        why,
+        ref.update.get("iteration"),
+        ref.parent,
+    )
+    from tasks.update import replay  # the update task replays; it imports this module
+
+    got = replay(ref)
+    STATS["replays"] += 1
+    if got != ref.policy_id:
+        raise UserError(
+            f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
+            f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
+            "here (GPU kernels) or its inputs changed. Set rl.save_steps: 1 to keep the "
+            "state of every iteration, or rerun the stage with --force"
+        )
+    return get(path, slot, mutate=mutate, lora_base=lora_base)
+
+
+def put(
+    checkpoint: str | Path, warm: CachedPolicy, slot: str = "policy", *, pid: str | None = None
+) -> None:
+    """Record that ``warm.model`` now holds the weights saved at ``checkpoint`` (or, with
+    ``pid``, weights of that ``policy_id`` that ``checkpoint`` names without holding yet)."""
     with _LOCK:
         warm.checkpoint = Path(checkpoint)
-        warm.policy_id = policy_id(checkpoint)
+        warm.policy_id = pid or policy_id(checkpoint)
         _WARM[slot] = warm
 
 
@@ -215,9 +290,10 @@ def train_state(warm: CachedPolicy, **kwargs) -> TrainState:
     from grpo_core.trainer import continue_train_state
 
     live, warm.train = warm.train, None  # a failed build leaves no state of the wrong step
-    warm.train = continue_train_state(
-        warm.model, warm.checkpoint, live, **kwargs, logger=logger(__name__)
-    )
+    saved = warm.checkpoint  # where a saved state would be: a checkpoint, or a record's kept one
+    if policy_ref.is_ref(saved):
+        saved = policy_ref.read_ref(saved).kept() or saved
+    warm.train = continue_train_state(warm.model, saved, live, **kwargs, logger=logger(__name__))
     return warm.train
 
 

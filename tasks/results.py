@@ -33,11 +33,13 @@ class ScoreOutcome:
 
 @dataclass(frozen=True)
 class UpdateResult:
-    checkpoint: str  # the policy after the update
+    checkpoint: str  # the policy after the update (its record, tasks/policy_ref.py, in a stage)
     global_step: int  # optimizer steps so far in the stage
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per step
     seconds: float = 0.0  # wall time of the optimizer steps
     peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the update
+    policy_id: str = ""  # the new weights' content hash (grpo_core/weights_id.py)
+    kept: bool = True  # a checkpoint of the new weights (and trainer state) was written
     cached: bool = False
 
 

@@ -6,6 +6,7 @@ grpo_core/old_logprobs.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -15,10 +16,22 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import RLConfig
-from tasks import policy_cache
+from tasks import policy_cache, policy_ref
 from tasks.cache import cached, stage_key
+from tasks.policy_ref import PolicyRef
 from tasks.results import UpdateResult
 from tasks.run_log import logger, pull
+
+# RL settings that do not change an update's result: its key leaves them out (the reward
+# weights are in the scored file it reads)
+UNKEYED = {
+    "eval_every",
+    "eval_on_start",
+    "iterations",
+    "save_steps",
+    "save_total_limit",
+    "reward_weights_from",
+}
 
 
 def update_from_file(
@@ -35,10 +48,19 @@ def update_from_file(
     init_checkpoint: str | None = None,
     seed: int = 0,
     data_parallel=None,
+    keep: bool = True,
+    background: bool = False,
 ) -> UpdateResult:
     """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
     with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
     the stage continues from (``tasks/policy_cache.py: train_state``).
+
+    ``keep=False``: nothing is written; the new weights stay in memory, named
+    ``out_checkpoint`` with their ``policy_id`` (an RL stage's iterations between save
+    points). ``background``: a kept checkpoint of one process is written by
+    ``policy_cache.WRITER`` while the caller goes on (it drains the writer before reading
+    it); data-parallel ranks write every update's, synchronously (the driver and the
+    rollout replicas load it).
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
@@ -92,10 +114,18 @@ def update_from_file(
         logger=logger(__name__),
     )
     info = {"scored": scored_path, "global_step": out.global_step}
-    _save(w, train, out_checkpoint, info, dp, on_ranks=data_parallel is not None)
-    policy_cache.put(out_checkpoint, w)
+    on_ranks = data_parallel is not None
+    pid = _save(w, train, out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
+                background=background)  # fmt: skip
+    policy_cache.put(out_checkpoint, w, pid=pid)
     return UpdateResult(
-        out_checkpoint, out.global_step, out.history, out.seconds, out.peak_memory_gib
+        out_checkpoint,
+        out.global_step,
+        out.history,
+        out.seconds,
+        out.peak_memory_gib,
+        policy_id=pid,
+        kept=keep or on_ranks,
     )
 
 
@@ -124,11 +154,35 @@ def _train_state(
     )
 
 
-def _save(w, train, out_checkpoint: str, info: dict, dp, *, on_ranks: bool) -> None:
-    """The policy and its trainer state to ``out_checkpoint``. ``on_ranks``: a sharded
-    model's weights and optimizer gathered on every rank (collectives), written by rank 0 and
-    shared through the store; every rank returns once it exists."""
+def _save(
+    w, train, out_checkpoint: str, info: dict, dp, *, on_ranks: bool, keep: bool, background: bool
+) -> str:
+    """The new weights' ``policy_id``, hashed in memory; with ``keep``, the policy and its
+    trainer state written to ``out_checkpoint``. ``on_ranks``: a sharded model's weights and
+    optimizer gathered on every rank (collectives), written by rank 0 and shared through the
+    store; every rank returns once it exists and takes the id from it. One process with
+    ``background``: written by a thread from a CPU copy (a LoRA policy, whose adapter is read
+    from the live model, here and now)."""
+    from grpo_core import lora
+    from grpo_core.checkpoint import policy_id
+    from grpo_core.weights_id import savable_state_dict, state_dict_id
+
+    if not keep:
+        return state_dict_id(savable_state_dict(w.model))
     state, weights = dp.checkpoint_state(w.model, train)
+    if not on_ranks:
+        weights = savable_state_dict(w.model) if weights is None else weights
+        pid = state_dict_id(weights)
+        info = {**info, **policy_cache.lora_info(w)}
+        if not background or lora.is_peft(w.model):
+            save_checkpoint(w.model, w.tokenizer, out_checkpoint, trainer_state=state, info=info,
+                            state_dict=weights, expected_id=pid)  # fmt: skip
+            storage.publish(out_checkpoint)
+        else:
+            policy_cache.WRITER.submit(out_checkpoint, w.model, w.tokenizer, weights=weights,
+                                       trainer_state=state, info=info, expected_id=pid,
+                                       on_done=storage.publish)  # fmt: skip
+        return pid
     if dp.rank == 0:
         save_checkpoint(
             w.model,
@@ -138,11 +192,13 @@ def _save(w, train, out_checkpoint: str, info: dict, dp, *, on_ranks: bool) -> N
             info={**info, **policy_cache.lora_info(w)},
             state_dict=weights,
         )
-        if on_ranks:  # the driver (and the next iteration's ranks) may be elsewhere
-            storage.publish(out_checkpoint)
+        storage.publish(
+            out_checkpoint
+        )  # the driver (and the next iteration's ranks) may be elsewhere
     dp.barrier()  # the checkpoint exists when any rank returns
     if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
         pull(out_checkpoint)
+    return policy_id(out_checkpoint)
 
 
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
@@ -167,6 +223,32 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
     )
 
 
+def replay(ref: PolicyRef) -> str:
+    """Run again the update ``ref`` records (its scored file, from its parent policy), in
+    this process and writing nothing; returns the new weights' ``policy_id``, which the
+    caller compares with the recorded one. The weights stay warm, named by the record."""
+    args = dict(ref.update)
+    iteration = args.pop("iteration")
+    out = update_from_file(
+        policy_checkpoint=args["policy_checkpoint"],
+        scored_path=args["scored_path"],
+        out_checkpoint=args["ref_path"],
+        rl=RLConfig(**args["rl"]),
+        reference_checkpoint=args["reference_checkpoint"],
+        global_step=args["global_step"],
+        total_steps=args["total_steps"],
+        stage=args["stage"],
+        init_checkpoint=args["init_checkpoint"],
+        seed=args["seed"],
+        keep=False,
+    )
+    logger(__name__).info(
+        "%s iteration %d replayed from %s: policy %s", args["stage"], iteration,
+        args["scored_path"], out.policy_id,
+    )  # fmt: skip
+    return out.policy_id
+
+
 @task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
 def update(
     stage: str,
@@ -182,27 +264,38 @@ def update(
     total_steps: int | None = None,
     seed: int = 0,
     force: bool = False,
+    ref_path: str | None = None,
+    keep: bool = True,
 ) -> UpdateResult:
     """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
-    identity: tasks/policy_cache.py); ``seed`` seeds the RNGs at the stage's first step."""
-    knobs = rl.model_dump(exclude={"eval_every", "eval_on_start", "iterations"})
+    identity: tasks/policy_cache.py); ``seed`` seeds the RNGs at the stage's first step.
+
+    ``ref_path`` (an RL stage's iteration): the update records its policy there
+    (tasks/policy_ref.py) and that record is its cached output, whether the weights were
+    written to ``out_checkpoint`` (``keep``: a save point) or stay in memory."""
+    knobs = rl.model_dump(exclude=UNKEYED)
     inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
     settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
     key = stage_key("update", settings, inputs)
+    args = dict(
+        policy_checkpoint=policy_checkpoint,
+        scored_path=scored_path,
+        reference_checkpoint=reference_checkpoint,
+        global_step=global_step,
+        total_steps=total_steps,
+        stage=stage,
+        init_checkpoint=init_checkpoint,
+        seed=seed,
+    )
 
     def compute() -> UpdateResult:
         out = run_update(
             iteration=iteration,
-            policy_checkpoint=policy_checkpoint,
-            scored_path=scored_path,
             out_checkpoint=out_checkpoint,
             rl=rl,
-            reference_checkpoint=reference_checkpoint,
-            global_step=global_step,
-            total_steps=total_steps,
-            stage=stage,
-            init_checkpoint=init_checkpoint,
-            seed=seed,
+            keep=keep,
+            background=ref_path is not None,  # the stage drains the writer
+            **args,
         )
         last = out.history[-1] if out.history else {}
         logger(__name__).info(
@@ -215,8 +308,15 @@ def update(
             out.seconds,
             out.peak_memory_gib,
         )
-        return out
+        if ref_path is None:
+            return out
+        replay_args = {**args, "iteration": iteration, "ref_path": ref_path, "rl": rl.model_dump()}
+        ref = PolicyRef(
+            out.policy_id, out.global_step, out_checkpoint if out.kept else None, replay_args
+        )
+        policy_ref.write_ref(ref_path, ref)
+        policy_cache.relabel(ref_path)
+        return dataclasses.replace(out, checkpoint=ref_path)
 
-    return cached(
-        f"{stage} iteration {iteration} update", out_checkpoint, key, compute, force=force
-    )
+    output = ref_path or out_checkpoint
+    return cached(f"{stage} iteration {iteration} update", output, key, compute, force=force)

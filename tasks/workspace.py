@@ -6,7 +6,8 @@ through these paths, never ad-hoc ones.
       checkpoints/base/                     the initial model
       checkpoints/<stage>/                  stage outputs (cold_start_sft, rl_1, re_sft, rl_2)
       checkpoints/<stage>.resume/           an SFT stage's last mid-stage checkpoint, until done
-      <rl stage>/iter_0007/rollouts.parquet, scored.parquet, checkpoint/, eval.parquet
+      <rl stage>/iter_0007/rollouts.parquet, scored.parquet, policy.json, eval.parquet
+      <rl stage>/iter_0009/checkpoint/      an RL save point's state (rl.save_steps, save_total_limit)
       rejection_sampling/rollouts.parquet, scored.parquet, sft.jsonl
       eval/<stage>.parquet                  held-out eval table per stage checkpoint
       offline/rollouts-0000.parquet, update-<tag>/   standalone stage runs (flows/stages.py)
@@ -49,7 +50,12 @@ class Workspace:
         return self.iteration_dir(stage, iteration) / SCORED
 
     def iteration_checkpoint(self, stage: str, iteration: int) -> Path:
+        """The checkpoint an RL iteration's update keeps at a save point (``rl.save_steps``)."""
         return self.iteration_dir(stage, iteration) / "checkpoint"
+
+    def policy_ref(self, stage: str, iteration: int) -> Path:
+        """The record of an RL iteration's new policy (tasks/policy_ref.py), kept or not."""
+        return self.iteration_dir(stage, iteration) / "policy.json"
 
     def start_eval_table(self, stage: str) -> Path:
         """The held-out eval of an RL stage's starting checkpoint (its curves' step 0)."""

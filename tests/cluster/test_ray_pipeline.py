@@ -89,7 +89,9 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
     assert not [p for p in mirrored if ".tmp-" in p]
     for stage in CHECKPOINT_STAGES:
         assert f"checkpoints/{stage}/model.safetensors" in mirrored
-    assert "rl_1/iter_0001/checkpoint.stage.json" in mirrored  # the trainer group's update
+    assert "rl_1/iter_0001/policy.json.stage.json" in mirrored  # the trainer group's update
+    # its checkpoint (rank 0 writes every update's, for the replicas): the last, a save point
+    assert "rl_1/iter_0001/checkpoint/trainer_state.pt" in mirrored
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}

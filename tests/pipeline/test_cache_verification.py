@@ -256,6 +256,7 @@ def test_policy_id_memo_is_trusted_only_while_the_weights_keep_their_stamp(
     memo = (ckpt / POLICY_ID).read_text().splitlines()
     assert memo == [
         policy_id(ckpt),
+        "# tensor-sha256",
         f"{st.st_size} {st.st_mtime_ns} {st.st_ctime_ns} {WEIGHTS}",
     ]
 

@@ -1,8 +1,8 @@
 """A killed `grpo run` resumes to the same result (issue 12, items 1 and 2).
 
 `grpo run` runs as a real process and is killed with SIGKILL at four points: mid cold-start
-SFT (after a resume checkpoint), mid rl_1 and mid rl_2 (after an iteration's update), mid
-re-SFT. Each rerun continues where the previous one stopped; the final weights of every
+SFT (after a resume checkpoint), mid rl_1 and mid rl_2 (after an iteration whose train state
+is not kept, between two save points: issue 26), mid re-SFT. Each rerun continues where the previous one stopped; the final weights of every
 stage, bit for bit, and the summary's accuracy table equal those of an uninterrupted run of
 the same config in another folder (which runs at the same time, to save wall time). Both
 run a snapshot of the code taken when the test starts: the stage cache keys include the code
@@ -31,14 +31,16 @@ STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
 MARKER = "GRPO_RESUME_TEST"  # in the environment of every process a run starts
 PACKAGES = ("grpo_core", "tasks", "cluster", "flows", "configs", "infra")
 
-# Long enough SFT stages to be killed between resume checkpoints, three RL iterations each.
+# Long enough SFT stages to be killed between resume checkpoints; five RL iterations each,
+# with the train state kept at iterations 2 and 4 (rl.save_steps: 3, and the last).
 RESUME_OVERRIDES = {
     "sft.max_steps": "60",
     "sft.checkpoint_every": "10",
-    "rl.iterations": "3",
-    "rl.eval_every": "3",
+    "rl.iterations": "5",
+    "rl.eval_every": "5",
+    "rl.save_steps": "3",
     "re_sft.max_steps": "30",
-    "rl_2": "{iterations: 3}",
+    "rl_2": "{iterations: 5}",
     "torch_threads": "1",
 }
 OVERRIDES = [o for o in TINY_OVERRIDES if o.split("=", 1)[0] not in RESUME_OVERRIDES] + [
@@ -46,20 +48,16 @@ OVERRIDES = [o for o in TINY_OVERRIDES if o.split("=", 1)[0] not in RESUME_OVERR
 ]
 
 # (log line after which the run is killed, line the rerun must print). SFT is killed once it
-# has written a resume checkpoint; RL once the next iteration's rollout is done (the previous
-# iteration is recorded), so the rerun loads that iteration's trainer state from disk.
+# has written a resume checkpoint; RL once iteration 4's rollout is done: iteration 3 is
+# recorded but its state is not kept (between the save points 2 and 4), so the rerun loads
+# iteration 2's kept state and replays iteration 3's update from its cached scored file.
 KILLS = [
     (r"cold_start_sft: resume checkpoint at step 20 ", r"cold_start_sft: resumed at step \d+"),
-    (
-        r"rl_1 iteration 1: \d+ completions",
-        r"rl_1/iter_0000/checkpoint: optimizer state at step 2 ",
-    ),
+    (r"rl_1 iteration 4: \d+ completions", r"rl_1 iteration 3 replayed from"),
     (r"re_sft: resume checkpoint at step 10 ", r"re_sft: resumed at step \d+"),
-    (
-        r"rl_2 iteration 2: \d+ completions",
-        r"rl_2/iter_0001/checkpoint: optimizer state at step 4 ",
-    ),
+    (r"rl_2 iteration 4: \d+ completions", r"rl_2 iteration 3 replayed from"),
 ]
+REPLAYED_FROM = r"rl_{}/iter_0002/checkpoint: optimizer state at step 6 from disk"
 
 
 class Run:
@@ -190,6 +188,8 @@ def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
     # from the last iteration's trainer state on disk)
     for (_, resumed_line), rerun in zip(KILLS, outputs[1:], strict=True):
         assert re.search(resumed_line, rerun), f"{resumed_line!r} not in:\n{rerun[-4000:]}"
+    for stage, rerun in ((1, outputs[2]), (2, outputs[4])):
+        assert re.search(REPLAYED_FROM.format(stage), rerun), rerun[-4000:]
     assert "Traceback" not in outputs[-1]
     for stage in ("cold_start_sft", "re_sft"):  # deleted once the stage is done
         assert not (resumed / "runs/r/checkpoints" / f"{stage}.resume").exists()
@@ -198,9 +198,12 @@ def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
     table = _accuracy_table(outputs[-1])
     assert [r[0] for r in table] == list(STAGES)
     assert table == _accuracy_table(ref_out)
-    # rl_2's AdamW starts at rl_2's first step: 2 optimizer steps per iteration
+    # rl_2's AdamW starts at rl_2's first step: 2 optimizer steps per iteration; only the
+    # save points' checkpoints are on disk
     for root in (resumed, tmp_path / "uninterrupted"):
-        assert _adam_step(root / "runs/r/rl_2/iter_0001/checkpoint") == 4
+        assert _adam_step(root / "runs/r/rl_2/iter_0004/checkpoint") == 10
+        kept = sorted(p.parent.name for p in (root / "runs/r/rl_2").glob("iter_*/checkpoint"))
+        assert kept == ["iter_0002", "iter_0004"]
     # the stage's final checkpoint is its last iteration's files, hard-linked, not copied
     root = tmp_path / "uninterrupted/runs/r"
     last_iteration = max((root / "rl_2").glob("iter_*")) / "checkpoint"
