@@ -31,6 +31,7 @@ def side_args(description: str) -> argparse.Namespace:
     ap.add_argument("--run-dir", required=True, help="where this side writes its outputs")
     ap.add_argument("--out", required=True, help="JSON result file")
     ap.add_argument("--threads", type=int, required=True, help="torch threads")
+    ap.add_argument("--profile", help="our side: cProfile stats of the stage to this file")
     return ap.parse_args()
 
 

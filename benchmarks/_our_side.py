@@ -111,7 +111,14 @@ def run_rl(args) -> None:
         return out, time.perf_counter() - t0
 
     with local_server.attach(server):
-        out, wall = pipeline()
+        if args.profile:  # benchmarks/bench_bookkeeping.py: where the stage's time goes
+            import cProfile
+
+            profiler = cProfile.Profile()
+            out, wall = profiler.runcall(pipeline)
+            profiler.dump_stats(args.profile)
+        else:
+            out, wall = pipeline()
     rss = peak_rss_mib()
     client = tracking.client
     parts = {

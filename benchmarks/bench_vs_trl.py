@@ -82,8 +82,17 @@ def overrides(args: argparse.Namespace, seed: int) -> list[str]:
     return sets + args.set
 
 
-def child(script: str, cmd: str | None, args, seed: int, run_dir: Path, start: Path, out: Path):
-    argv = [sys.executable, str(HERE / script), *([cmd] if cmd else [])]
+def child(
+    script: str,
+    cmd: str | None,
+    args,
+    seed: int,
+    run_dir: Path,
+    start: Path,
+    out: Path,
+    extra: list[str] = (),
+):
+    argv = [sys.executable, str(HERE / script), *([cmd] if cmd else []), *extra]
     argv += ["--config", args.config, "--start", str(start), "--run-dir", str(run_dir)]
     argv += ["--out", str(out), "--threads", str(args.threads)]
     for s in overrides(args, seed):
