@@ -183,11 +183,13 @@ def _prune(ws: Workspace, stage: str, it: int, rl: RLConfig) -> None:
     iteration (data-parallel ranks write every update's, for the rollout replicas) once the
     next one exists. Rollouts, scores and policy records of every iteration stay: a rerun
     replays from the nearest kept state."""
-    saves = [j for j in range(it + 1) if rl.saves_at(j)]
-    keep = set(saves[-rl.save_total_limit :]) | {it}
-    for j in range(it + 1):
+    saves = list(range(rl.save_steps - 1, it + 1, rl.save_steps))
+    if rl.saves_at(it) and it not in saves:  # the stage's last iteration
+        saves.append(it)
+    older = set(saves[: -rl.save_total_limit]) | ({it - 1} - set(saves))
+    for j in sorted(x for x in older if x >= 0):
         path = ws.iteration_checkpoint(stage, j)
-        if j in keep or not path.exists():
+        if not path.exists():
             continue
         if policy_cache.WRITER.is_pending(path):
             policy_cache.WRITER.drain()

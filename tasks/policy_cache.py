@@ -267,8 +267,9 @@ def _get_ref(path: Path, slot: str, *, mutate: bool, lora_base) -> CachedPolicy:
         raise UserError(
             f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
             f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
-            "here (GPU kernels) or its inputs changed. Set rl.save_steps: 1 to keep the "
-            "state of every iteration, or rerun the stage with --force"
+            "here (GPU kernels, data-parallel ranks) or its inputs changed. Keep the train "
+            "states such reruns start from (rl.save_steps: 1 and a larger "
+            "rl.save_total_limit), or rerun the stage with --force"
         )
     return get(path, slot, mutate=mutate, lora_base=lora_base)
 
