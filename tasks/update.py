@@ -192,9 +192,8 @@ def _save(
             info={**info, **policy_cache.lora_info(w)},
             state_dict=weights,
         )
-        storage.publish(
-            out_checkpoint
-        )  # the driver (and the next iteration's ranks) may be elsewhere
+        # the driver (and the next iteration's ranks) may be on another node
+        storage.publish(out_checkpoint)
     dp.barrier()  # the checkpoint exists when any rank returns
     if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
         pull(out_checkpoint)

@@ -69,8 +69,10 @@ def test_node_b_reuses_every_stage_node_a_put_in_the_bucket(tmp_path, s3_endpoin
     assert "checkpoints/base/model.safetensors" in names
     assert "checkpoints/rl_2/model.safetensors" in names
     for it in (0, 1):
-        for f in ("rollouts.parquet", "scored.parquet", "checkpoint.stage.json"):
+        for f in ("rollouts.parquet", "scored.parquet", "policy.json", "policy.json.stage.json"):
             assert f"rl_1/iter_{it:04d}/{f}" in names
+    # the stage's last iteration is a save point: its checkpoint, written in the background
+    assert "rl_1/iter_0001/checkpoint/model.safetensors" in names
 
     node_b = tmp_path / "node_b"
     second = _grpo_run(node_b, s3_endpoint)
