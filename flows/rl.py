@@ -77,25 +77,13 @@ def rl_stage(
                 last_it = min(it + rl.eval_every, rl.iterations) - 1
                 group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
             roll = named(rollout, f"{name}/rollout-{it}")(
-                stage,
-                it,
-                policy,
-                rl_path,
-                str(ws.rollouts(stage, it)),
-                rl,
-                seed,
-                engine,
+                stage, it, policy, rl_path, str(ws.rollouts(stage, it)), rl, seed, engine,
                 force=force,
-            )
+            )  # fmt: skip
             scored = named(score, f"{name}/score-{it}")(
-                stage,
-                it,
-                roll.path,
-                str(ws.scored(stage, it)),
-                rl.rewards_at(it, weights),
-                rl,
+                stage, it, roll.path, str(ws.scored(stage, it)), rl.rewards_at(it, weights), rl,
                 force=force,
-            )
+            )  # fmt: skip
             upd = named(update, f"{name}/update-{it}")(
                 stage,
                 it,

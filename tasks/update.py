@@ -55,12 +55,10 @@ def update_from_file(
     with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
     the stage continues from (``tasks/policy_cache.py: train_state``).
 
-    ``keep=False``: nothing is written; the new weights stay in memory, named
-    ``out_checkpoint`` with their ``policy_id`` (an RL stage's iterations between save
-    points). ``background``: a kept checkpoint of one process is written by
-    ``policy_cache.WRITER`` while the caller goes on (it drains the writer before reading
-    it); data-parallel ranks write every update's, synchronously (the driver and the
-    rollout replicas load it).
+    ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
+    stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
+    process's checkpoint is written by ``policy_cache.WRITER`` (the caller drains it);
+    data-parallel ranks write every update's, synchronously (:func:`_save`).
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
@@ -90,16 +88,8 @@ def update_from_file(
     quantized = policy_cache.options().load_in_4bit
     source, why = old_logprobs_for(rows, rl, w.model, policy=w.policy_id, quantized=quantized)
     logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
-    train = _train_state(
-        w,
-        rl,
-        dp,
-        stage=stage,
-        init=init,
-        global_step=global_step,
-        seed=seed,
-        total_steps=total_steps,
-    )
+    train = _train_state(w, rl, dp, stage=stage, init=init, global_step=global_step, seed=seed,
+                         total_steps=total_steps)  # fmt: skip
     reference = functools.partial(policy_cache.reference, w, reference_checkpoint)
     out = train_on_scored(
         w.model,
@@ -118,15 +108,8 @@ def update_from_file(
     pid = _save(w, train, out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
                 background=background)  # fmt: skip
     policy_cache.put(out_checkpoint, w, pid=pid)
-    return UpdateResult(
-        out_checkpoint,
-        out.global_step,
-        out.history,
-        out.seconds,
-        out.peak_memory_gib,
-        policy_id=pid,
-        kept=keep or on_ranks,
-    )
+    return UpdateResult(out_checkpoint, out.global_step, out.history, out.seconds,
+                        out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
 
 
 def _train_state(
