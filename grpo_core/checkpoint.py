@@ -201,9 +201,10 @@ def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:
     """``(policy_id, {weight file: (size, mtime_ns, ctime_ns)})`` from ``policy_id.txt``, or
     None.
 
-    Format: the policy id on the first line, how it was computed on the second, then ``<size> <mtime_ns> <ctime_ns> <file name>``
-    for each weight file it was computed from. A memo without them (older checkpoints, whose
-    lines had no ctime) has no stamps to match, so the weights are hashed again."""
+    Format: the policy id on the first line, how it was computed on the second
+    (:data:`_MEMO_KIND`), then ``<size> <mtime_ns> <ctime_ns> <file name>`` for each weight
+    file it was computed from. A memo without them (older checkpoints, whose ids were
+    computed another way) is not trusted, so the weights are hashed again."""
     try:
         lines = path.read_text().splitlines()
     except OSError:
