@@ -151,7 +151,7 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
     """``checkpoints/<stage>``: the last iteration's kept checkpoint, hard-linked (its files
     are never rewritten), shared through the store, and known to the warm cache by its new
     path."""
-    kept = policy_ref.read_ref(policy).kept() if policy_ref.is_ref(policy) else Path(policy)
+    kept = policy_ref.saved_at(policy)
     if kept is None:  # pruned, or lost with its background write: the weights are in memory
         w = policy_cache.get(policy)
         with atomic_path(final) as tmp:

@@ -19,7 +19,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -50,7 +49,6 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.pending: set[Path] = set()
-        self.seconds = 0.0  # spent writing, in the background
 
     def submit(
         self,
@@ -96,7 +94,6 @@ class CheckpointWriter:
         while True:
             job = self._queue.get()
             out, model, tokenizer, weights, state, info, expected, on_done = job
-            t0 = time.perf_counter()
             try:
                 save_checkpoint(
                     model,
@@ -113,7 +110,6 @@ class CheckpointWriter:
                 log.error("%s: background checkpoint write failed: %s", out, e)
                 self._errors.append(e)
             finally:
-                self.seconds += time.perf_counter() - t0
                 with self._lock:
                     self.pending.discard(out)
                 self._queue.task_done()

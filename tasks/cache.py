@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster import storage
-from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256, policy_id
+from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256
 from grpo_core.io import atomic_path, write_json
 
 _PACKAGES = ("grpo_core", "tasks", "cluster")
@@ -54,14 +54,13 @@ def code_version() -> str:
 
 def content_hash(path: str | Path) -> str:
     """Weights hash for a checkpoint directory (its verified ``policy_id``) or an RL
-    iteration's policy record (tasks/policy_ref.py), sha256 for a file (memoised in the process on the file's identity, size and mtime)."""
+    iteration's policy record (tasks/policy_ref.py: the hash it recorded), sha256 for a file
+    (memoised in the process on the file's identity, size and mtime)."""
     from tasks import policy_ref
 
     p = Path(path)
-    if p.is_dir():
-        return policy_id(p)
-    if policy_ref.is_ref(p):  # an RL iteration's policy: the hash of its weights, as recorded
-        return policy_ref.read_ref(p).policy_id
+    if p.is_dir() or policy_ref.is_ref(p):
+        return policy_ref.policy_id(p)
     return memo_sha256(p)
 
 

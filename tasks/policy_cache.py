@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 from cluster.process import STATE
 from grpo_core import lora
 from grpo_core.checkpoint import load_checkpoint
-from grpo_core.checkpoint import policy_id as checkpoint_policy_id
 from grpo_core.checkpoint_writer import CheckpointWriter
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
@@ -64,14 +63,8 @@ _WARM: dict[str, CachedPolicy] = {}  # slot ("policy", "reference") -> warm mode
 STATS = {"loads": 0, "hits": 0, "replays": 0}
 # the kept checkpoints of RL updates, written in the background (grpo_core/checkpoint_writer.py)
 WRITER = CheckpointWriter()
-
-
-def policy_id(path: str | Path) -> str:
-    """The ``policy_id`` of a checkpoint folder (its weights' hash) or of an RL iteration's
-    policy record (tasks/policy_ref.py: the hash it recorded)."""
-    if policy_ref.is_ref(path):
-        return policy_ref.read_ref(path).policy_id
-    return checkpoint_policy_id(path)
+# a checkpoint folder's or an RL iteration record's policy_id (tasks/policy_ref.py)
+policy_id = policy_ref.policy_id
 
 
 def options() -> ModelConfig:
@@ -291,9 +284,8 @@ def train_state(warm: CachedPolicy, **kwargs) -> TrainState:
     from grpo_core.trainer import continue_train_state
 
     live, warm.train = warm.train, None  # a failed build leaves no state of the wrong step
-    saved = warm.checkpoint  # where a saved state would be: a checkpoint, or a record's kept one
-    if policy_ref.is_ref(saved):
-        saved = policy_ref.read_ref(saved).kept() or saved
+    # where a saved state would be: the checkpoint, or the record's kept one
+    saved = policy_ref.saved_at(warm.checkpoint) or warm.checkpoint
     warm.train = continue_train_state(warm.model, saved, live, **kwargs, logger=logger(__name__))
     return warm.train
 

@@ -46,6 +46,20 @@ def is_ref(path: str | Path) -> bool:
     return Path(path).name == REF_NAME and Path(path).is_file()
 
 
+def policy_id(path: str | Path) -> str:
+    """The ``policy_id`` of a checkpoint folder (its weights' hash, verified) or of a record
+    (the hash it recorded)."""
+    from grpo_core.checkpoint import policy_id as checkpoint_policy_id
+
+    return read_ref(path).policy_id if is_ref(path) else checkpoint_policy_id(path)
+
+
+def saved_at(path: str | Path) -> Path | None:
+    """Where the weights ``path`` names are on disk: a checkpoint folder itself, a record's
+    kept checkpoint, or None when that was not kept (or is gone)."""
+    return read_ref(path).kept() if is_ref(path) else Path(path)
+
+
 def write_ref(path: str | Path, ref: PolicyRef) -> Path:
     from tasks.cache import portable, run_root
 
