@@ -86,7 +86,9 @@ class ShardedDataParallel(DataParallel):
             fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # each layer is a root
             layer.set_gradient_divide_factor(1.0)  # sum: the losses are global shares
             layer.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-        self._hooked = [layers[0].register_forward_pre_hook(self._count)]
+        # one forward of the decoder is one sharded forward of every layer; a hook on a layer
+        # would also count its recomputation in backward (gradient checkpointing)
+        self._hooked = [model.get_decoder().register_forward_pre_hook(self._count)]
         chunked_head_reason(model)  # its probe's forwards, on every rank at once
         self.forwards = 0
 

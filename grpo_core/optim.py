@@ -1,17 +1,39 @@
 """The optimizer of the RL update and of SFT, by Hugging Face ``TrainingArguments.optim`` name.
 
-- ``adamw_torch``: ``torch.optim.AdamW`` (the default);
+- ``adamw_torch``: ``torch.optim.AdamW`` (the default), torch's implementation for the device:
+  the multi-tensor (``foreach``) one on CUDA, a loop over the tensors on a CPU;
+- ``adamw_torch_foreach``: the same, with the multi-tensor implementation forced on (how CUDA
+  runs it; on a CPU, the way to run the GPU code path);
+- ``adamw_torch_fused``: the same, fused (``fused=True``; CUDA, and CPU since torch 2.4);
 - ``adamw_bnb_8bit``: ``bitsandbytes.optim.AdamW8bit`` (8-bit optimizer state, Dettmers et al.,
   2022, arXiv:2110.02861), CUDA only; install the ``gpu`` extra.
 
-Only trainable parameters are handed over (with LoRA, the adapter's).
+Only trainable parameters are handed over (with LoRA, the adapter's). Under FSDP2
+(grpo_core/fsdp.py) some are ``DTensor`` shards and the rest plain tensors; torch's
+multi-tensor and fused AdamW refuse a list that mixes the two ("got mixed torch.Tensor and
+DTensor"), so each kind gets its own parameter group (same settings): the optimizer runs one
+call per group. A model without shards has one group, as before.
 """
 
 from __future__ import annotations
 
 import torch
 
-OPTIMIZERS = ("adamw_torch", "adamw_bnb_8bit")
+OPTIMIZERS = ("adamw_torch", "adamw_torch_foreach", "adamw_torch_fused", "adamw_bnb_8bit")
+TORCH_ADAMW = {"adamw_torch": {}, "adamw_torch_foreach": {"foreach": True}}
+TORCH_ADAMW["adamw_torch_fused"] = {"fused": True}
+
+
+def param_groups(params: list[torch.nn.Parameter]) -> list[dict]:
+    """The parameters in one group per kind: FSDP2's ``DTensor`` shards, then plain tensors
+    (one group when there is one kind)."""
+    if not torch.distributed.is_available():
+        return [{"params": params}]
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [{"params": group} for group in (sharded, plain) if group]
 
 
 def build_optimizer(
@@ -20,8 +42,9 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError(f"{section}: the model has no trainable parameter")
-    if name == "adamw_torch":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name in TORCH_ADAMW:
+        groups = param_groups(params)
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay, **TORCH_ADAMW[name])
     if name == "adamw_bnb_8bit":
         device_type = params[0].device.type
         if device_type != "cuda":

@@ -31,8 +31,13 @@ class TrainingKnobs(Section):
     )
     bf16: bool = Field(False, description="bf16 autocast, float32 master weights and log-probs")
     fp16: bool = Field(False, description="fp16 autocast with loss scaling (CUDA only)")
-    optim: Literal["adamw_torch", "adamw_bnb_8bit"] = Field(
-        "adamw_torch", description="adamw_bnb_8bit: bitsandbytes 8-bit AdamW (CUDA only)"
+    optim: Literal["adamw_torch", "adamw_torch_foreach", "adamw_torch_fused", "adamw_bnb_8bit"] = (
+        Field(
+            "adamw_torch",
+            description="adamw_torch: torch's AdamW as the device runs it (multi-tensor on "
+            "CUDA); adamw_torch_foreach / adamw_torch_fused: that implementation forced; "
+            "adamw_bnb_8bit: bitsandbytes 8-bit AdamW (CUDA only)",
+        )
     )
 
     @model_validator(mode="after")

@@ -101,3 +101,25 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
         print(f"  {stage}: {ray_acc[stage]:.3f} / {local_acc[stage]:.3f}")
     # before any rollout the two runs are the same computation
     assert ray_acc["cold_start_sft"] == local_acc["cold_start_sft"]
+
+
+@pytest.mark.slow
+def test_grpo_run_on_ray_with_fsdp_at_gpu_defaults(ray_head, prefect_harness, tmp_path):
+    """The trainer ranks shard the policy (FSDP2) with gradient checkpointing on and AdamW's
+    multi-tensor path forced on, as a GPU runs them: every stage completes, and the RL
+    stages' trainer state is the sharded optimizer's, gathered and keyed by parameter name."""
+    import torch
+
+    gpu = ["model.gradient_checkpointing=true", "rl.optim=adamw_torch_foreach"]
+    fsdp = [*RAY[:2], "cluster.trainer={workers: 2, num_cpus: 0.25, strategy: fsdp}", RAY[3]]
+    summary = _run(tmp_path, "fsdp", [*fsdp, *gpu])
+    assert [r["stage"] for r in summary["stages"]] == list(CHECKPOINT_STAGES)
+    trainers = trainer_group.running()
+    assert trainers is not None and trainers.cfg.trainer.strategy == "fsdp"
+    assert len(set(trainers.pids)) == 2
+    ws = Workspace(tmp_path / "fsdp" / "demo")
+    for stage in ("rl_1", "rl_2"):
+        state = torch.load(ws.checkpoint(stage) / "trainer_state.pt", weights_only=False)
+        moments = state["optimizer"]["state"]
+        assert moments and all(isinstance(k, str) for k in moments)  # by name: gathered shards
+        assert all(torch.isfinite(v["exp_avg"]).all() for v in moments.values())

@@ -89,17 +89,29 @@ def cases() -> dict[str, dict]:
     return out
 
 
-def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list[dict]]:
-    """One update from the checkpoint: the new weights and the metrics history."""
+MODES = ("plain", "gpu-defaults")
+
+
+def run_case(
+    name: str, checkpoint: str, data_parallel=None, mode: str = "plain"
+) -> tuple[dict, list[dict]]:
+    """One update from the checkpoint: the new weights and the metrics history. ``mode``
+    ``gpu-defaults``: gradient checkpointing on and the optimizers' multi-tensor path forced
+    on (CUDA's default), through the project's parameter groups (grpo_core/optim.py)."""
+    from grpo_core.optim import build_optimizer, param_groups
+
     case = cases()[name]
     model, tok = load_checkpoint(checkpoint)
     ref = load_checkpoint(checkpoint)[0] if case["loss"].get("beta", 0) > 0 else None
+    gpu = mode == "gpu-defaults"
+    if gpu:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if data_parallel is not None and data_parallel.sharded:
         data_parallel.wrap(model)  # FSDP2, before the optimizer sees the parameters
     if case.get("adamw"):
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = build_optimizer(model, "adamw_torch_foreach" if gpu else "adamw_torch", lr=1e-3)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        opt = torch.optim.SGD(param_groups(list(model.parameters())), lr=0.5, foreach=gpu)
     # data parallel measures the entropy of the rows that ran only (grpo_core/update.py)
     update = {"entropy_of_skipped_rows": False, **case["update"]}
     cfg = UpdateConfig(loss=LossConfig(**case["loss"]), **update)
@@ -117,26 +129,35 @@ def run_case(name: str, checkpoint: str, data_parallel=None) -> tuple[dict, list
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, history
 
 
-def run_all(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> None:
-    """Every case on this rank; each rank saves what it ended with."""
-    results = {name: run_case(name, checkpoint, data_parallel) for name in names}
+def run_all(
+    data_parallel, checkpoint: str, names: list[str], out_dir: str, modes=("plain",)
+) -> None:
+    """Every case in every mode on this rank; each rank saves what it ended with."""
+    results = {
+        (name, mode): run_case(name, checkpoint, data_parallel, mode)
+        for mode in modes
+        for name in names
+    }
     torch.save(results, f"{out_dir}/rank{data_parallel.rank}.pt")
 
 
-def spawn_all(fn, world: int, checkpoint: str, out_dir) -> list[dict]:
+def spawn_all(fn, world: int, checkpoint: str, out_dir, modes=("plain",)) -> list[dict]:
     """Every case on ``world`` spawned ranks (``fn``: :func:`run_all` or
-    :func:`run_all_sharded`); each rank's ``{name: (weights, history)}``, in rank order."""
+    :func:`run_all_sharded`); each rank's ``{(name, mode): (weights, history)}``, in rank
+    order."""
     from grpo_core.distributed import spawn
 
-    spawn(fn, world, checkpoint, list(cases()), str(out_dir))
+    spawn(fn, world, checkpoint, list(cases()), str(out_dir), tuple(modes))
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(world)]
 
 
-def run_all_sharded(data_parallel, checkpoint: str, names: list[str], out_dir: str) -> None:
+def run_all_sharded(
+    data_parallel, checkpoint: str, names: list[str], out_dir: str, modes=("plain",)
+) -> None:
     """:func:`run_all` with the decoder layers sharded (FSDP2, grpo_core/fsdp.py)."""
     from grpo_core.fsdp import ShardedDataParallel
 
-    run_all(ShardedDataParallel(data_parallel.group), checkpoint, names, out_dir)
+    run_all(ShardedDataParallel(data_parallel.group), checkpoint, names, out_dir, modes)
 
 
 def column_reward(prompts, completions, r, **_):

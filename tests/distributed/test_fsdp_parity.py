@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from ddp_cases import cases, run_all_sharded, run_case, spawn_all
+from ddp_cases import MODES, cases, run_all_sharded, run_case, spawn_all
 
 from grpo_core.checkpoint import load_checkpoint
 from grpo_core.fsdp import decoder_layers
@@ -21,14 +21,19 @@ METRICS += ("grad_norm",)
 
 @pytest.fixture(scope="module")
 def sharded_results(tiny_checkpoint, tmp_path_factory):
-    return spawn_all(run_all_sharded, WORLD, str(tiny_checkpoint), tmp_path_factory.mktemp("fsdp"))
+    out = tmp_path_factory.mktemp("fsdp")
+    return spawn_all(run_all_sharded, WORLD, str(tiny_checkpoint), out, modes=MODES)
 
 
+# gpu-defaults: gradient checkpointing (a layer's forward runs again in backward) and the
+# optimizers' multi-tensor path (CUDA's default; it refuses a list mixing DTensor shards and
+# plain tensors, so grpo_core/optim.py groups them by kind)
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(cases()))
-def test_sharded_ranks_make_the_update_of_one_process(tiny_checkpoint, sharded_results, name):
-    weights, history = run_case(name, str(tiny_checkpoint))
+def test_sharded_ranks_make_the_update_of_one_process(tiny_checkpoint, sharded_results, name, mode):
+    weights, history = run_case(name, str(tiny_checkpoint), mode=mode)
     before = load_checkpoint(tiny_checkpoint)[0].state_dict()
-    rank0, rank1 = (r[name] for r in sharded_results)
+    rank0, rank1 = (r[name, mode] for r in sharded_results)
     moved = max(float((weights[k] - before[k]).abs().max()) for k in weights)
     assert moved > 1e-4  # the update really changed the weights
     assert set(rank0[0]) == set(weights)
