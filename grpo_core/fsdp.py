@@ -149,29 +149,36 @@ class ShardedDataParallel(DataParallel):
         return total
 
     def checkpoint_state(self, model, train) -> tuple[dict, dict]:
-        """The optimizer state and the weights unsharded, on every rank (collectives)."""
+        """The optimizer state and the weights unsharded, on rank 0's CPU (collectives: every
+        rank calls it; the other ranks get empty dicts, as only rank 0 writes the
+        checkpoint)."""
         state = train.state_dict()
         state["optimizer"] = self.full_optimizer_state(model, train.optimizer)
         return state, self.full_state_dict(model)
 
-    def full_state_dict(self, model) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer, unsharded, on the CPU of every rank (a collective)."""
+    def full_state_dict(self, model, *, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, unsharded, on rank 0's CPU (``all_ranks``: on every
+        rank's). A collective. Gathered one tensor at a time and moved to the CPU at once
+        (``cpu_offload``), so a rank's device holds its shards plus one full tensor, never
+        the whole model; the other ranks drop each tensor once gathered."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        return {k: v.cpu() for k, v in get_model_state_dict(model, options=opts).items()}
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        state = get_model_state_dict(model, options=opts)
+        return {k: v.cpu() for k, v in state.items()}
 
     def full_optimizer_state(self, model, optimizer) -> dict:
-        """The optimizer's state unsharded, keyed by parameter name (a collective)."""
+        """The optimizer's state unsharded, keyed by parameter name, on rank 0's CPU (empty on
+        the others; a collective, one tensor at a time as :meth:`full_state_dict`)."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_optimizer_state_dict,
         )
 
-        opts = StateDictOptions(full_state_dict=True)
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(model, optimizer, options=opts)
 
     def load_full_optimizer_state(self, model, optimizer, state: dict) -> None:

@@ -125,7 +125,7 @@ def run_case(
         data_parallel=data_parallel,
     )
     if data_parallel is not None and data_parallel.sharded:
-        return data_parallel.full_state_dict(model), history
+        return data_parallel.full_state_dict(model, all_ranks=True), history
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, history
 
 
@@ -199,3 +199,41 @@ def scored_file(directory, groups: int = 3) -> str:
     out = f"{directory}/scored.parquet"
     score_file(rollouts, out, {f"{__file__}:column_reward": 1.0})
     return out
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def gather_memory(data_parallel, checkpoint: str, out_dir: str) -> None:
+    """A sharded model with AdamW state, then :meth:`checkpoint_state` (the gather a
+    checkpoint makes); each rank saves how far its peak RSS rose during the gather (Linux:
+    the peak is reset first) and what it received."""
+    import gc
+
+    from grpo_core.fsdp import ShardedDataParallel
+    from grpo_core.optim import build_optimizer
+    from grpo_core.trainer import TrainState
+
+    dp = ShardedDataParallel(data_parallel.group)
+    model, _ = load_checkpoint(checkpoint)
+    dp.wrap(model)
+    opt = build_optimizer(model, "adamw_torch", lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()  # AdamW's moments exist (as shards)
+    train = TrainState({}, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), 1, {})
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    before = _rss_kib("VmRSS")
+    state, weights = dp.checkpoint_state(model, train)
+    rose = (_rss_kib("VmHWM") - before) * 1024
+    moments = state["optimizer"].get("state", {})  # rank != 0: {}
+    out = {
+        "rose": rose,
+        "weights": sum(v.numel() * v.element_size() for v in weights.values()),
+        "moments": len(moments),
+    }
+    torch.save(out, f"{out_dir}/gather{dp.rank}.pt")
