@@ -58,6 +58,17 @@ class ShardedDataParallel(DataParallel):
     forwards: int = 0  # sharded forwards since the last pad_to
     _hooked: list = field(default_factory=list)
 
+    def prepare(self, cfg):
+        """As the replicas' (:meth:`DataParallel.prepare`); fp16 is refused: its loss scaler
+        would check only this rank's shards for inf/nan, so ranks could disagree on skipping
+        a step (bf16 needs no scaler)."""
+        if cfg.fp16:
+            raise ValueError(
+                "rl.fp16 with cluster.trainer.strategy: fsdp is not supported (the loss "
+                "scaler is not sharded); use rl.bf16"
+            )
+        return super().prepare(cfg)
+
     def prepare_model(self, model: torch.nn.Module, *, lora: bool = False) -> bool:
         """Shard the model's decoder layers the first time this rank trains it (a reloaded
         model is sharded again: True, its optimizer state must be rebuilt)."""

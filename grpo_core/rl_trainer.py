@@ -23,6 +23,7 @@ from grpo_core.config import RLConfig
 from grpo_core.memory import PeakMemory
 from grpo_core.old_logprobs import old_logprobs_source
 from grpo_core.parallel import LOCAL, LocalParallel
+from grpo_core.precision import new_scaler
 from grpo_core.rollouts import read_metadata_of
 from grpo_core.scored_batch import ScoredRows
 from grpo_core.trainer import TrainState
@@ -142,6 +143,8 @@ def train_on_scored(
             pad_id, mask_truncated=rl.mask_truncated_completions, sampling_logprobs=sampler
         )
         ref = reference() if reference is not None else None
+        if rl.fp16 and train.scaler is None:  # the stage's loss scaler, kept with its state
+            train.scaler = new_scaler(next(model.parameters()).device.type)
         start = time.perf_counter()
         with mem:
             history = grpo_update(
@@ -153,6 +156,7 @@ def train_on_scored(
                 ref_model=ref,
                 on_step=on_step,
                 data_parallel=parallel,
+                scaler=train.scaler,
             )
         seconds = time.perf_counter() - start
     else:

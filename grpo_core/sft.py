@@ -221,6 +221,8 @@ class _Run:
         load_weights_(model, resume_dir)
         self.optimizer.load_state_dict(state["optimizer"])  # after the scheduler set step 0's lr
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.precision.scaler is not None and state.get("grad_scaler"):
+            self.precision.scaler.load_state_dict(state["grad_scaler"])
         self.data_rng.setstate(state["data_rng"])
         self.order, self.step = list(state["order"]), state["step"]
         self.history, self.dev_history = state["history"], state["dev_history"]
@@ -248,13 +250,15 @@ class _Run:
         )
         self.precision.unscale_(self.optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
-        self.precision.step(self.optimizer)
-        self.scheduler.step()
+        scaled = self.precision.step(self.optimizer)
+        if not scaled.get("grad_scaler/skipped"):  # as HF Trainer: a skipped step keeps its lr
+            self.scheduler.step()
         self.step += 1
         metrics = {
             "loss": self.loss,
             "grad_norm": float(grad_norm),
             "learning_rate": self.scheduler.get_last_lr()[0],
+            **scaled,
         }
         self.history.append(metrics)
         return metrics
@@ -297,6 +301,8 @@ class _Run:
             "loss": self.loss,
             "rng": rng_state(),
         }
+        if self.precision.scaler is not None:  # fp16: the loss scale goes on from here
+            state["grad_scaler"] = self.precision.scaler.state_dict()
         info = {"stage": desc, "step": self.step, "resume_key": key}
         save_checkpoint(model, tokenizer, resume_dir, trainer_state=state, info=info)
 

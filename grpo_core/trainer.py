@@ -17,6 +17,7 @@ import torch
 
 from grpo_core.checkpoint import load_trainer_state
 from grpo_core.optim import build_optimizer
+from grpo_core.precision import restore_scaler
 from grpo_core.schedule import lr_lambda
 from grpo_core.trainer_state import rng_state, seed_all
 
@@ -54,15 +55,19 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     global_step: int
     rng: dict  # grpo_core.trainer_state.rng_state() as saved with the checkpoint
+    scaler: torch.amp.GradScaler | None = None  # fp16's loss scaler (grpo_core/precision.py)
 
     def state_dict(self) -> dict:
-        return {
+        out = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "optimizer_key": self.key,
             "global_step": self.global_step,
             "rng": self.rng,
         }
+        if self.scaler is not None:
+            out["grad_scaler"] = self.scaler.state_dict()
+        return out
 
 
 def continue_train_state(
@@ -108,7 +113,9 @@ def continue_train_state(
                 opt.load_state_dict(saved["optimizer"])  # after the scheduler set step 0's lr
             sched.load_state_dict(saved["scheduler"])
             logger.info("%s: optimizer state at step %d from disk", checkpoint, global_step)
-            return TrainState(key, opt, sched, global_step, saved["rng"])
+            device = next(model.parameters()).device.type
+            scaler = restore_scaler(saved.get("grad_scaler"), device)
+            return TrainState(key, opt, sched, global_step, saved["rng"], scaler)
         logger.warning(
             "%s has no trainer state for %s at step %d (pruned or other settings): AdamW "
             "starts fresh, so this stage will not match an uninterrupted run; rerun it with "

@@ -70,6 +70,7 @@ def grpo_update(
     ref_model=None,
     on_step: Callable[[dict], None] | None = None,
     data_parallel: DataParallel | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> list[dict]:
     """Optimizer steps on one generation batch; returns one metrics dict per optimizer step.
 
@@ -81,7 +82,9 @@ def grpo_update(
     reweights tokens by trainer/engine probability ratios using ``batch.sampling_logp``.
     ``data_parallel``: this rank of N, each holding the whole ``batch`` and a replica of the
     model; it trains its share of every micro-batch's groups and the N ranks make the update
-    of one process (:mod:`grpo_core.distributed`).
+    of one process (:mod:`grpo_core.distributed`). ``scaler``: the stage's loss scaler
+    (fp16), which carries its scale from one generation batch to the next (default: a fresh
+    one per call).
     """
     cfg = config or UpdateConfig()
     _check_inputs(batch, cfg, ref_model)
@@ -98,7 +101,7 @@ def grpo_update(
         disable_dropout(model)
         if ref_model is not None:
             disable_dropout(ref_model)
-    precision = Precision.for_model(model, bf16=cfg.bf16, fp16=cfg.fp16)
+    precision = Precision.for_model(model, bf16=cfg.bf16, fp16=cfg.fp16, scaler=scaler)
     model.train()  # old log-probs see the model exactly as the loss's forward does
     reuse = needs_old_logprobs(
         cfg.num_iterations, micro // accumulation, cfg.engine_correction is not None
@@ -300,12 +303,13 @@ def _optimizer_step(
     dp.all_reduce_gradients(model)  # the full gradient, before scaling and clipping
     run.precision.unscale_(optimizer)
     grad_norm = dp.clip_grad_norm(model, run.cfg.max_grad_norm)
-    run.precision.step(optimizer)
-    if run.scheduler is not None:
+    scaled = run.precision.step(optimizer)
+    if run.scheduler is not None and not scaled.get("grad_scaler/skipped"):  # as HF Trainer
         run.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     step = dp.step_metrics(window, window_tokens)
     step.update(is_metrics)
+    step.update(scaled)
     step["grad_norm"] = float(grad_norm)
     step["learning_rate"] = optimizer.param_groups[0]["lr"]
     return step
