@@ -6,9 +6,11 @@ does in one process, on N ranks launched by ``torchrun``::
 
 Every rank reads the whole file and the checkpoint, trains its share of each micro-batch's
 groups (``grpo_core.distributed``), and rank 0 writes the checkpoint (atomically, with the
-trainer state). The backend is nccl when CUDA is available (one GPU per rank, ``LOCAL_RANK``),
-else gloo; ``--backend`` chooses. No Prefect flow run or MLflow run is made: this is the
-update alone, the piece that the cluster orchestration will launch.
+trainer state). The policy loads as the config's ``model`` section says (``dtype``, ``lora``,
+``gradient_checkpointing``, ``load_in_4bit``: the run context sets it on every rank), and the
+summary line names what was trained. The backend is nccl when CUDA is available (one GPU per
+rank, ``LOCAL_RANK``), else gloo; ``--backend`` chooses. No Prefect flow run or MLflow run is
+made: this is the update alone, the piece that the cluster orchestration will launch.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_defaults(cfg.output_dir)
     RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.distributed import process_group
+    from tasks import policy_cache
     from tasks.update import update_from_file
 
     with process_group(args.backend, args.strategy) as dp:
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": len(res.history),
                 "seconds": res.seconds,
                 "loss": last.get("loss"),
+                # the model the ranks trained, as the config's model section loaded it
+                "model": policy_cache.describe(policy_cache.warm().model),
             }
             print(json.dumps(summary), flush=True)
     return 0

@@ -145,6 +145,22 @@ def _read_info(checkpoint: Path) -> dict:
         return {}
 
 
+def warm(slot: str = "policy") -> CachedPolicy | None:
+    """The model this process holds in ``slot`` (None: none, or loaded with other options)."""
+    return _cached(slot)
+
+
+def describe(model) -> dict:
+    """What a model in memory is, as loaded: dtype, LoRA, gradient checkpointing."""
+    from grpo_core import lora
+
+    return {
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "lora": lora.is_peft(model),
+        "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+    }
+
+
 def lora_info(warm: CachedPolicy) -> dict:
     """What a checkpoint of a LoRA policy records in checkpoint_info.json: its base."""
     if "lora_base_id" not in warm.extra:

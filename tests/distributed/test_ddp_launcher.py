@@ -75,3 +75,47 @@ def test_torchrun_two_ranks_write_the_one_process_checkpoint(tiny_checkpoint, tm
             v["exp_avg"].numel() for v in full.values()
         )
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".") or "tmp" in p]
+
+
+@pytest.mark.slow
+def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoint, tmp_path):
+    """``model.lora`` and ``model.gradient_checkpointing`` reach the ranks: they train the
+    LoRA policy with checkpointing on (the summary describes the model they trained), and
+    write the one-process LoRA update's weights."""
+    from cluster import process
+    from tasks import policy_cache
+    from tasks.update import update_from_file
+
+    model_sets = ["model.gradient_checkpointing=true", "model.lora={r: 4, alpha: 8}"]
+    scored = scored_file(tmp_path)
+    cfg = load_config(None, [*OVERRIDES, *model_sets])
+    before = process.STATE.model
+    process.load_policies_with(cfg.model)
+    try:
+        policy_cache.clear()
+        one = update_from_file(
+            str(tiny_checkpoint), scored, str(tmp_path / "one"), cfg.rl,
+            reference_checkpoint=str(tiny_checkpoint),
+        )  # fmt: skip
+        assert one.global_step == 6
+    finally:
+        process.load_policies_with(before)
+        policy_cache.clear()
+    args = ["--policy", str(tiny_checkpoint), "--scored", scored, "--out", str(tmp_path / "two")]
+    for o in [*OVERRIDES, *model_sets]:
+        args += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "flows.ddp_update", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["model"] == {"dtype": "float32", "lora": True, "gradient_checkpointing": True}
+    info = json.loads((tmp_path / "two" / "checkpoint_info.json").read_text())
+    assert info.get("lora_base_policy_id")  # a LoRA policy's checkpoint (merged, with its base)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
