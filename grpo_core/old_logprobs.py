@@ -114,3 +114,51 @@ def _unsafe(
     if not disable_dropout:
         return "dropout is on in the update (rl.disable_dropout: false)"
     return None
+
+
+def engine_correction_choice(
+    setting: bool | str,
+    *,
+    file_meta: dict,
+    model_dtype: str,
+    bf16: bool = False,
+    fp16: bool = False,
+    quantized: bool = False,
+    old_logprobs: str = "auto",
+) -> tuple[bool, str]:
+    """``rl.vllm_importance_sampling_correction`` for these rows: ``(on, reason)``.
+
+    ``True``/``False`` are taken as set. ``auto`` (the default) turns it on where the
+    engine's numbers differ from the trainer's: another engine than ``hf`` (vLLM's kernels;
+    TRL turns the correction on by default with vLLM), a sampling model not in float32, a
+    trained model not in float32, bf16/fp16 autocast in the update, 4-bit weights. It stays
+    off where the ratio would mean nothing: the ``hf`` engine in float32 samples with the
+    trainer's own module; a processed sampling distribution (``top_p``, ``top_k``, ``min_p``,
+    ``repetition_penalty``) makes every ratio < 1; ``rl.old_logprobs=sampler`` makes it 1.
+    """
+    name = "rl.vllm_importance_sampling_correction"
+    if setting != "auto":
+        return bool(setting), f"{name}={setting}"
+    differs = []
+    if file_meta.get("engine") != "hf":
+        differs.append(f"rows sampled by engine {file_meta.get('engine')!r}")
+    if file_meta.get("dtype") != "float32":
+        differs.append(f"sampled in {file_meta.get('dtype')!r}")
+    if model_dtype != "float32":
+        differs.append(f"trained in {model_dtype!r}")
+    if bf16 or fp16:
+        differs.append("bf16/fp16 autocast in the update")
+    if quantized:
+        differs.append("4-bit weights")
+    if not differs:
+        return False, "auto: the hf engine sampled with the trainer's float32 module"
+    sampling = file_meta.get("sampling") or {}
+    processed = [k for k, v in NEUTRAL_SAMPLING.items() if sampling.get(k, v) != v]
+    if processed:
+        return False, (
+            f"auto: {'; '.join(differs)}, but the sampling distribution is processed "
+            f"({', '.join(processed)}), so the ratios would collapse: off"
+        )
+    if old_logprobs == "sampler":
+        return False, f"auto: {'; '.join(differs)}, but rl.old_logprobs=sampler: off"
+    return True, f"auto: {'; '.join(differs)}: engine and trainer log-probs differ"

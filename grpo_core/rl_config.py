@@ -67,7 +67,13 @@ class RLConfig(TrainingKnobs):
         None, ge=1, description="DAPO soft overlong penalty L_cache"
     )
     overlong_penalty_factor: float = Field(1.0, ge=0)
-    vllm_importance_sampling_correction: bool = False
+    vllm_importance_sampling_correction: bool | Literal["auto"] = Field(
+        "auto",
+        description="reweight tokens by trainer/engine probability ratios (TRL's name; any "
+        "engine). auto: on where the engine's numbers differ from the trainer's (vLLM, "
+        "bf16, not float32, 4-bit), decided per scored file and logged "
+        "(grpo_core/old_logprobs.py: engine_correction_choice)",
+    )
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = "sequence_mask"
@@ -202,7 +208,7 @@ class RLConfig(TrainingKnobs):
             )
             if value != neutral
         ]
-        if self.vllm_importance_sampling_correction and filters:
+        if self.vllm_importance_sampling_correction is True and filters:
             _warn(
                 f"rl.vllm_importance_sampling_correction with {', '.join(filters)}: the engine's "
                 "sampling log-probs are of the filtered/penalised distribution, so the ratio to "
@@ -214,7 +220,7 @@ class RLConfig(TrainingKnobs):
 
     @model_validator(mode="after")
     def _sampler_without_correction(self) -> RLConfig:
-        if self.old_logprobs == "sampler" and self.vllm_importance_sampling_correction:
+        if self.old_logprobs == "sampler" and self.vllm_importance_sampling_correction is True:
             raise ValueError(
                 "rl.old_logprobs=sampler with rl.vllm_importance_sampling_correction: the "
                 "correction's ratio would be 1 on every token; use auto or recompute"
@@ -234,7 +240,7 @@ class RLConfig(TrainingKnobs):
     def update_config(self) -> UpdateConfig:
         """The typed settings of ``grpo_core.update.grpo_update``, built from this section."""
         engine = None
-        if self.vllm_importance_sampling_correction:
+        if self.vllm_importance_sampling_correction is True:  # "auto": per file (tasks/update)
             engine = EngineCorrection(
                 mode=self.vllm_importance_sampling_mode,
                 clip_min=self.vllm_importance_sampling_clip_min,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from grpo_core.checkpoint import policy_id
 from grpo_core.config import RLConfig
 from grpo_core.memory import PeakMemory
-from grpo_core.old_logprobs import old_logprobs_source
+from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
 from grpo_core.parallel import LOCAL, LocalParallel
 from grpo_core.precision import new_scaler
 from grpo_core.rollouts import read_metadata_of
@@ -75,6 +75,21 @@ class RLOptimization:
     def build(self, model):
         """A fresh ``(optimizer, scheduler)`` over ``model`` at step 0."""
         return self.rl.optimization.build(model, total_steps=self.total_steps, section="rl")
+
+
+def engine_correction_for(rows: ScoredRows, rl: RLConfig, model, *, quantized: bool = False):
+    """``rl`` with ``vllm_importance_sampling_correction`` decided for these rows
+    (``auto``: grpo_core/old_logprobs.py, ``engine_correction_choice``), and the reason."""
+    on, why = engine_correction_choice(
+        rl.vllm_importance_sampling_correction,
+        file_meta=read_metadata_of(rows.table),
+        model_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        bf16=rl.bf16,
+        fp16=rl.fp16,
+        quantized=quantized,
+        old_logprobs=rl.old_logprobs,
+    )
+    return rl.model_copy(update={"vllm_importance_sampling_correction": on}), why
 
 
 def old_logprobs_for(
@@ -138,7 +153,7 @@ def train_on_scored(
     seconds = 0.0
     mem = PeakMemory(model.device)
     if rows.keep:
-        sampler = rl.vllm_importance_sampling_correction or old_logprobs == "sampler"
+        sampler = rl.vllm_importance_sampling_correction is True or old_logprobs == "sampler"
         batch = rows.batch(
             pad_id, mask_truncated=rl.mask_truncated_completions, sampling_logprobs=sampler
         )

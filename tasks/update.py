@@ -69,7 +69,7 @@ def update_from_file(
     rank 0 alone writes the checkpoint.
     """
     from grpo_core.parallel import LOCAL
-    from grpo_core.rl_trainer import old_logprobs_for, train_on_scored
+    from grpo_core.rl_trainer import engine_correction_for, old_logprobs_for, train_on_scored
     from grpo_core.scored_batch import ScoredRows
 
     pull(scored_path)
@@ -86,6 +86,8 @@ def update_from_file(
     if dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
     quantized = policy_cache.options().load_in_4bit
+    rl, correction = engine_correction_for(rows, rl, w.model, quantized=quantized)
+    _say_once(f"engine importance-sampling correction {correction}")
     source, why = old_logprobs_for(rows, rl, w.model, policy=w.policy_id, quantized=quantized)
     logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
     train = _train_state(w, rl, dp, stage=stage, init=init, global_step=global_step, seed=seed,
@@ -110,6 +112,17 @@ def update_from_file(
     policy_cache.put(out_checkpoint, w, pid=pid)
     return UpdateResult(out_checkpoint, out.global_step, out.history, out.seconds,
                         out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    """A decision the updates of a run make alike, logged the first time this process makes
+    it (not once per iteration)."""
+    if message not in _SAID:
+        _SAID.add(message)
+        logger(__name__).info(message)
 
 
 def _train_state(

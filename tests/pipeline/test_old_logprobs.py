@@ -152,3 +152,34 @@ def _initial(checkpoint):
     from grpo_core.checkpoint import load_checkpoint
 
     return load_checkpoint(checkpoint)[0].state_dict()
+
+
+def _correction(setting="auto", meta=SAFE_META, **kw):
+    from grpo_core.old_logprobs import engine_correction_choice
+
+    return engine_correction_choice(setting, file_meta=meta, model_dtype="float32", **kw)
+
+
+def test_the_engine_correction_is_on_by_default_where_engine_and_trainer_differ():
+    on, why = _correction()
+    assert not on and "hf engine" in why  # the demo: the trainer's own float32 module sampled
+    vllm_bf16 = {**SAFE_META, "engine": "vllm", "dtype": "bfloat16"}
+    for case in (
+        {"meta": vllm_bf16},  # configs/gpu.yaml
+        {"meta": {**SAFE_META, "engine": "vllm"}},
+        {"bf16": True},
+        {"quantized": True},
+    ):
+        on, why = _correction(**case)
+        assert on and why.startswith("auto: "), case
+    # a filtered distribution would make the ratios collapse; sampler old log-probs make them 1
+    top_k = {**vllm_bf16, "sampling": {**SAFE_META["sampling"], "top_k": 8}}
+    on, why = _correction(meta=top_k)
+    assert not on and "collapse" in why
+    assert not _correction(meta=vllm_bf16, old_logprobs="sampler")[0]
+    # an explicit setting is taken as set
+    assert _correction(False, meta=vllm_bf16) == (
+        False,
+        "rl.vllm_importance_sampling_correction=False",
+    )
+    assert _correction(True)[0]

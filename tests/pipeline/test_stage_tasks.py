@@ -244,6 +244,7 @@ def _designed_rollout(path: str, out: str) -> str:
             "vllm_importance_sampling_correction": True,
             "vllm_importance_sampling_mode": "token_truncate",
         },
+        {"bf16": True},  # the correction's default (auto) turns it on: autocast differs
     ],
     ids=lambda o: ",".join(o),
 )
@@ -294,6 +295,8 @@ def test_every_rl_option_runs_through_score_and_update(tiny_checkpoint, data, tm
     if options.get("vllm_importance_sampling_correction"):
         # hf engine at the same weights: sampling and trainer log-probs agree to float error
         assert up.history[0]["sampling/sampling_logp_difference/max"] < 1e-3
+    if options.get("bf16"):  # bf16 autocast against the float32 sampler: corrected (auto)
+        assert 1e-4 < up.history[0]["sampling/sampling_logp_difference/max"] < 0.1
     if options.get("dynamic_sampling"):
         # the all-1.1 group carries no signal and is dropped; the three others are kept
         kept = [h["dynamic_sampling/kept_frac"] for h in up.history]
