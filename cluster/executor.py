@@ -73,6 +73,11 @@ class Local:
         check_sync: bool,
         desc: str,
     ) -> list:
+        train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
+        if (engine_options or {}).get("offload_optimizer") and train is not None:
+            from grpo_core import offload  # back before the next step: tasks/policy_cache.py
+
+            offload.offload(train.optimizer)  # before the engine wakes: room for its KV cache
         eng = self.engine(policy, engine, engine_options, check_sync=check_sync)
         samples = eng.generate(prompt_ids, params, desc=desc)
         eng.sleep()  # frees accelerator memory for the update where the engine supports it

@@ -101,12 +101,14 @@ class Replica:
         return samples
 
     def load_weights(self, state_dict: Mapping, policy_id: str, probe: list[int] | None):
-        """Take the driver's weights; with ``probe``, return the greedy probe completion."""
-        self.engine.wake_up()
+        """Take the driver's weights; with ``probe``, return the greedy probe completion.
+        A sleeping engine wakes its weights only (its KV cache waits for the next generate)."""
+        self.engine.wake_up(tags=["weights"])
         self.engine.update_weights(state_dict)
         self.policy_id = policy_id
         out = None
         if probe is not None:
+            self.engine.wake_up()
             out = self._greedy(probe)
         self.engine.sleep()
         return out

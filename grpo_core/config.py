@@ -83,6 +83,11 @@ class VLLMConfig(Section):
         None, gt=0, description="CPU only: KV cache size (default 1 GiB)"
     )
     cpu_threads: int | None = Field(None, ge=1, description="CPU only (default: torch's threads)")
+    offload_optimizer: bool = Field(
+        False,
+        description="colocated on the trainer's GPU: AdamW's state goes to CPU memory while "
+        "vLLM generates and back before the update (grpo_core/offload.py)",
+    )
 
 
 # padded tokens per generation micro-batch (hf engine): the demo's largest batch (rejection

@@ -297,9 +297,12 @@ def put(
 def train_state(warm: CachedPolicy, **kwargs) -> TrainState:
     """The train state to continue ``warm``'s stage with (grpo_core/trainer.py:
     :func:`~grpo_core.trainer.continue_train_state`), kept with the warm model."""
+    from grpo_core import offload
     from grpo_core.trainer import continue_train_state
 
     live, warm.train = warm.train, None  # a failed build leaves no state of the wrong step
+    if live is not None:  # moved to CPU memory while a colocated engine generated
+        offload.restore(live.optimizer)
     # where a saved state would be: the checkpoint, or the record's kept one
     saved = policy_ref.saved_at(warm.checkpoint) or warm.checkpoint
     warm.train = continue_train_state(warm.model, saved, live, **kwargs, logger=logger(__name__))

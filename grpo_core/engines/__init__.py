@@ -58,7 +58,9 @@ class RolloutEngine(Protocol):
         """Free what the engine can while the trainer runs (vLLM sleep mode); else no-op."""
         ...
 
-    def wake_up(self) -> None: ...
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`sleep` freed (``tags``: ``weights`` / ``kv_cache``; all)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -267,10 +269,11 @@ class WarmEngines:
                 engine = get_engine(name, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
                 slot = self._slots[key] = [engine, policy_id]
             engine = slot[0]
-            engine.wake_up()
-            if slot[1] != policy_id:
+            if slot[1] != policy_id:  # the weights first, synced; the KV cache after them
+                engine.wake_up(tags=["weights"])
                 sync_weights(engine, model, tokenizer, check=check_sync)
                 slot[1] = policy_id
+            engine.wake_up()
             return engine
 
     def sleep(self) -> None:

@@ -82,7 +82,7 @@ class HFEngine:
     def sleep(self) -> None:
         pass
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
         pass
 
     def close(self) -> None:

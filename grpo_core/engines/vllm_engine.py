@@ -82,6 +82,7 @@ def llm_options(
     cpu_threads: int | None = None,
     kv_cache_gib: float | None = None,
     device: str | None = None,
+    offload_optimizer: bool = False,  # the trainer's, not vLLM's (cluster/executor.py)
     **llm_kwargs: Any,
 ) -> LLMOptions:
     """The ``vllm.LLM`` arguments for these options, without importing vllm (the config
@@ -135,7 +136,7 @@ class VLLMEngine:
         self.llm = llm
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         self.enable_sleep_mode = enable_sleep_mode
-        self._sleeping = False
+        self._asleep: set[str] = set()  # vLLM's sleep tags not woken yet
 
     @classmethod
     def create(
@@ -224,14 +225,24 @@ class VLLMEngine:
     def sleep(self) -> None:
         """Free GPU memory (weights and KV cache) while the trainer runs: sleep level 1
         keeps the weights in CPU memory; needs ``enable_sleep_mode``. No-op otherwise."""
-        if self.enable_sleep_mode and not self._sleeping:
+        if self.enable_sleep_mode and not self._asleep:
             self.llm.sleep(level=1)
-            self._sleeping = True
+            self._asleep = {"weights", "kv_cache"}
 
-    def wake_up(self) -> None:
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take back what :meth:`sleep` freed: ``tags`` ``["weights"]`` or ``["kv_cache"]``
+        (vLLM's names), default both. The weight sync wakes the weights first and the KV
+        cache after it, so the cache is not allocated while the trainer's copy of the new
+        weights is still on the device (TRL and verl do the same), and PyTorch's cached
+        blocks go back to the device before each (``torch.cuda.empty_cache``: vLLM
+        allocates outside PyTorch's caching allocator)."""
+        wanted = set(tags or ("weights", "kv_cache")) & self._asleep
+        if not wanted:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=sorted(wanted))
+        self._asleep -= wanted
 
     def close(self) -> None:
         llm, self.llm = self.llm, None

@@ -151,8 +151,8 @@ class _Recorder:
     def sleep(self):
         self.calls.append("sleep")
 
-    def wake_up(self):
-        self.calls.append("wake")
+    def wake_up(self, tags=None):
+        self.calls.append("wake" if tags is None else f"wake {','.join(tags)}")
 
     def close(self):
         self.calls.append("close")
@@ -169,7 +169,8 @@ def test_warm_engines_start_once_and_sync_only_on_a_new_policy(tiny_model, monke
     assert (
         a is b is c and a.made_with["checkpoint"] == "ckpt-0" and a.made_with["dtype"] == "float32"
     )
-    assert a.calls == ["wake", "wake", "wake", "sync"]
+    # a new policy: the weights woken and synced before the KV cache is (vLLM sleep mode)
+    assert a.calls == ["wake", "wake", "wake weights", "sync", "wake"]
     other = warm.get("recorder", policy_id="p1", **{**kw, "opts": {"dtype": "bfloat16"}})
     assert other is not a
     warm.sleep()
