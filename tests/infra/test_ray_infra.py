@@ -48,11 +48,14 @@ def test_kuberay_manifest_mounts_one_shared_volume_and_asks_for_gpus():
         g["template"]["spec"] for g in rc["spec"]["workerGroupSpecs"]
     ]
     for pod in pods:
-        (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (claim,) = [v["persistentVolumeClaim"]["claimName"] for v in volumes.values() if
+                    "persistentVolumeClaim" in v]  # fmt: skip
         assert claim == pvc["metadata"]["name"]
-        assert {m["mountPath"] for c in pod["containers"] for m in c["volumeMounts"]} == {
-            "/mnt/grpo"
-        }
+        mounts = {m["mountPath"]: m["name"] for c in pod["containers"] for m in c["volumeMounts"]}
+        assert set(mounts) == {"/mnt/grpo", "/dev/shm"}
+        # Ray's object store in memory, not the container's 64 MiB default
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
     gpus = [
         c["resources"]["limits"].get("nvidia.com/gpu")
         for g in rc["spec"]["workerGroupSpecs"]
