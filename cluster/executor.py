@@ -11,8 +11,9 @@ executor()``). The tasks hand their work to the executor and never ask which one
 - ``rollout_shards``: how many replicas share an iteration's prompts (part of a rollout's
   cache key: each shard samples with its own seed).
 
-Both keep this process's rollout engines (``engines``), which the held-out evaluation uses
-on either backend.
+Both keep this process's rollout engines (``engines``). The held-out evaluation samples
+where the rollouts do: with this process's engine (or HF generate) locally, on the rollout
+replicas on Ray (:class:`Sampler`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Policy(Protocol):
 
 class Local:
     """Everything in this process."""
+
+    remote_sampling = False  # samples with this process's engines (OnRay: on the replicas)
 
     def __init__(self, cfg: ClusterConfig | None = None) -> None:
         self.cfg = cfg or ClusterConfig()
@@ -114,7 +117,10 @@ class Local:
 
 
 class OnRay(Local):
-    """Rollouts on the rollout replicas, scoring as Ray tasks, updates on the trainer group."""
+    """Rollouts (and held-out evals) on the rollout replicas, scoring as Ray tasks, updates
+    on the trainer group."""
+
+    remote_sampling = True
 
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)
@@ -167,3 +173,31 @@ class OnRay(Local):
 
 def for_config(cfg: ClusterConfig) -> Local:
     return OnRay(cfg) if cfg.uses_ray else Local(cfg)
+
+
+class Sampler:
+    """A rollout engine over an executor's :meth:`Local.sample`: what the held-out eval hands
+    to ``grpo_core.evaluation.evaluate`` so that it generates where the rollouts do (on Ray,
+    the rollout replicas: the driver, often on a node without a GPU, holds no engine)."""
+
+    name = "sampler"
+
+    def __init__(self, executor: Local, policy: Policy, spec: Mapping, load_options) -> None:
+        self.executor, self.policy, self.spec, self.load_options = (
+            executor,
+            policy,
+            spec,
+            load_options,
+        )
+
+    def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
+        return self.executor.sample(
+            self.policy,
+            prompt_ids,
+            params,
+            engine=self.spec["name"],
+            engine_options=self.spec["options"],
+            load_options=self.load_options,
+            check_sync=self.spec["check_sync"],
+            desc=desc,
+        )

@@ -162,6 +162,7 @@ class RolloutGroup:
         self.actors = [self._start(checkpoint, policy_id) for _ in range(group.workers)]
         self.synced = [policy_id] * group.workers
         self.replaced = 0  # replicas started again after one died
+        self.served: list[str] = []  # each generate call's ``desc`` (rollouts, evals, ...)
         self.inflight: list = []  # object refs of the call in progress (for tests and logs)
         log.info("started %d %s rollout replicas on %s", group.workers, engine, checkpoint)
 
@@ -219,6 +220,7 @@ class RolloutGroup:
     ) -> list[Sample]:
         """``params.n`` samples per prompt from the replicas (already synced to
         ``policy_id``), in prompt-major order; shard k samples with ``shard_seed(seed, k)``."""
+        self.served.append(desc)
         ranges = shards(len(prompt_ids), len(self.actors))
         shard_params = [
             dataclasses.replace(params, seed=shard_seed(params.seed, k)) for k in range(len(ranges))

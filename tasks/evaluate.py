@@ -64,11 +64,7 @@ def _evaluate(
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
     w = policy_cache.get(checkpoint)
-    eng = None
-    if engine["name"] != "hf":
-        eng = runtime.executor().engine(
-            w, engine["name"], engine["options"], check_sync=engine["check_sync"]
-        )
+    eng = _engine(w, engine)
     with timer() as t:
         result = evaluate(
             w.model,
@@ -97,6 +93,21 @@ def _evaluate(
         policy_id=w.policy_id,
         samples=result.table[: cfg.sample_table_rows],
     )
+
+
+def _engine(w, engine: dict):
+    """What generates the eval's completions: the rollout replicas (``cluster.backend:
+    ray``), this process's warm engine (vllm), or HF generate on the warm policy (None)."""
+    from cluster.executor import Sampler
+
+    executor = runtime.executor()
+    if executor.remote_sampling:
+        return Sampler(executor, w, engine, policy_cache.options().load_kwargs(trainer=False))
+    if engine["name"] != "hf":
+        return executor.engine(
+            w, engine["name"], engine["options"], check_sync=engine["check_sync"]
+        )
+    return None
 
 
 @task(name="evaluate", task_run_name="eval-{stage}", cache_policy=NO_CACHE)

@@ -56,6 +56,10 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
+    # the held-out evals sample on the replicas too (a driver without a GPU holds no engine)
+    served = group.served
+    # (the final evals reuse these: same weights, data and settings)
+    assert {"rl_1 start eval", "rl_1 it1 eval", "rl_2 start eval"} <= set(served), served
     trainers = trainer_group.running()
     assert trainers is not None and len(set(trainers.pids)) == 2  # 2 gloo ranks did the updates
     assert [r["stage"] for r in ray_summary["stages"]] == list(CHECKPOINT_STAGES)
