@@ -147,6 +147,17 @@ class DataParallel(LocalParallel):
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def row_share(self, n: int) -> range:
+        """This rank's contiguous share of a batch of ``n`` rows that every rank holds."""
+        bounds = [len(part) for part in torch.tensor_split(torch.arange(n), self.world_size)]
+        start = sum(bounds[: self.rank])
+        return range(start, start + bounds[self.rank])
+
+    def sum_scalar(self, x: float) -> float:
+        t = torch.tensor([x], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return float(t.item())
+
     def gather(self, obj) -> list:
         """Every rank's ``obj`` (small Python objects: metrics), in rank order."""
         out: list = [None] * self.world_size

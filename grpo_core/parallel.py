@@ -68,6 +68,14 @@ class LocalParallel:
     def barrier(self) -> None:
         return None
 
+    def row_share(self, n: int) -> range:
+        """This rank's rows of a batch of ``n`` that every rank holds (SFT): all of them."""
+        return range(n)
+
+    def sum_scalar(self, x: float) -> float:
+        """``x`` summed over the ranks (a loss made of the ranks' shares)."""
+        return x
+
 
 LOCAL = LocalParallel()
 

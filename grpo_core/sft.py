@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from grpo_core.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.model_logprobs import model_logprobs
+from grpo_core.parallel import LOCAL, LocalParallel
 from grpo_core.precision import Precision
 from grpo_core.settings import SFTSettings, settings_or_knobs
 from grpo_core.text import encode_completion, encode_prompt
@@ -96,14 +97,19 @@ def sft_loss_backward(
     max_tokens: int | None = None,
     lm_head: str = "chunked",
     precision: Precision | None = None,
+    n_tokens: int | None = None,
 ) -> float:
     """Backward of the mean completion-token cross-entropy of the batch (labels -100 ignored,
     as ``model(labels=...).loss``), in row chunks of at most ``max_tokens`` padded tokens,
     each divided by the whole batch's token count: the gradient is the unsplit batch's.
-    Returns the loss."""
+    ``n_tokens``: that count when these rows are one rank's share of a larger batch.
+    Returns the loss (this share's part of it)."""
     precision = precision or Precision()
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [n, L] shifted
-    n_tokens = (targets >= 0).sum().clamp(min=1)
+    if n_tokens is None:
+        n_tokens = (targets >= 0).sum().clamp(min=1)
+    else:
+        n_tokens = torch.tensor(max(n_tokens, 1))
     total = 0.0
     for rows in row_chunks(attn, max_tokens):
         width = max(1, int(attn[rows].sum(-1).max()))  # right padding beyond it is dropped
@@ -138,6 +144,7 @@ def train_sft(
     resume_key: str = "",
     on_resume: Callable[[int, list[dict]], None] | None = None,
     logger: logging.Logger | logging.LoggerAdapter | None = None,
+    parallel: LocalParallel = LOCAL,
     **knobs,
 ) -> SFTResult:
     """Train ``model`` in place with ``settings`` (an ``SFTSettings``, or its fields as
@@ -158,13 +165,24 @@ def train_sft(
     most this many padded tokens (same gradient). ``lm_head``, ``bf16``, ``fp16``: see
     :func:`grpo_core.model_logprobs.model_logprobs` and :mod:`grpo_core.precision`; ``optim``:
     :func:`grpo_core.optim.build_optimizer`.
+
+    ``parallel``: this rank of N (``grpo_core/distributed.py``, prepared: replicas equal, or
+    sharded with FSDP2), each holding the whole data and drawing the same batches; a rank
+    trains its contiguous share of each batch and the N ranks make the step of one process
+    (gradients summed, the loss divided by the whole batch's tokens). Rank 0 alone writes
+    resume checkpoints; sharded ranks write none (their state would need gathering).
     """
     s = settings_or_knobs(SFTSettings, settings, knobs)
     logger = logger or log
     if not rows:
         raise ValueError("SFT: no training rows")
+    if parallel.sharded and s.fp16:
+        raise ValueError("sft.fp16 with cluster.trainer.strategy: fsdp: use sft.bf16")
     data = encode_examples(tokenizer, rows)
-    run = _Run.start(model, s, seed)
+    run = _Run.start(model, s, seed, parallel)
+    if parallel.sharded and resume_dir is not None and s.checkpoint_every:
+        logger.warning("%s: sharded ranks write no resume checkpoint (checkpoint_every)", desc)
+        resume_dir = None
     resume_dir = Path(resume_dir) if resume_dir is not None else None
     state = _resume_state(resume_dir, resume_key, desc, logger)
     if state is not None:
@@ -186,8 +204,12 @@ def train_sft(
             if stopped:
                 break
             if resume_dir and run.resume_point():
-                run.save(model, tokenizer, resume_dir, resume_key, desc)
-                logger.info("%s: resume checkpoint at step %d of %d", desc, run.step, s.max_steps)
+                if parallel.rank == 0:
+                    run.save(model, tokenizer, resume_dir, resume_key, desc)
+                    logger.info(
+                        "%s: resume checkpoint at step %d of %d", desc, run.step, s.max_steps
+                    )
+                parallel.barrier()
     model.eval()
     return SFTResult(run.step, run.loss, run.history, run.dev_history, stopped, resumed_from)
 
@@ -201,6 +223,7 @@ class _Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
     data_rng: random.Random  # shuffles the data order, epoch by epoch
+    parallel: LocalParallel  # one process, or this rank of N
     order: list[int] = field(default_factory=list)  # the data order's remaining indices
     history: list[dict] = field(default_factory=list)  # per-step metrics
     dev_history: list[dict] = field(default_factory=list)
@@ -208,13 +231,13 @@ class _Run:
     step: int = 0
 
     @classmethod
-    def start(cls, model, s: SFTSettings, seed: int) -> _Run:
+    def start(cls, model, s: SFTSettings, seed: int, parallel: LocalParallel = LOCAL) -> _Run:
         """Step 0: the RNGs seeded from ``seed``, a fresh optimizer and schedule."""
         data_rng = random.Random(seed)
         torch.manual_seed(seed)
         precision = Precision.for_model(model, bf16=s.bf16, fp16=s.fp16, section="sft")
         opt, sched = s.optimization.build(model, total_steps=s.max_steps, section="sft")
-        return cls(s, opt, sched, precision, data_rng)
+        return cls(s, opt, sched, precision, data_rng, parallel)
 
     def resume(self, model, resume_dir: Path, state: dict) -> None:
         """Continue from a resume checkpoint: its weights, optimizer, data order and RNGs."""
@@ -237,19 +260,10 @@ class _Run:
             self.data_rng.shuffle(perm)
             self.order.extend(perm)
         batch = [data[self.order.pop()] for _ in range(min(s.batch_size, len(data)))]
-        ids, attn, labels = (t.to(model.device) for t in collate(batch, pad_id))
         self.optimizer.zero_grad(set_to_none=True)
-        self.loss = sft_loss_backward(
-            model,
-            ids,
-            attn,
-            labels,
-            max_tokens=s.max_tokens_per_microbatch,
-            lm_head=s.lm_head,
-            precision=self.precision,
-        )
+        self.loss = self.backward(model, batch, pad_id)
         self.precision.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), s.max_grad_norm)
+        grad_norm = self.parallel.clip_grad_norm(model, s.max_grad_norm)
         scaled = self.precision.step(self.optimizer)
         if not scaled.get("grad_scaler/skipped"):  # as HF Trainer: a skipped step keeps its lr
             self.scheduler.step()
@@ -262,6 +276,32 @@ class _Run:
         }
         self.history.append(metrics)
         return metrics
+
+    def backward(self, model, batch: list, pad_id: int) -> float:
+        """The batch's loss and its gradient; on ranks, of this rank's share, then summed
+        (FSDP2: every rank runs as many sharded forwards as the busiest)."""
+        s, dp = self.settings, self.parallel
+        if dp.world_size == 1:
+            ids, attn, labels = (t.to(model.device) for t in collate(batch, pad_id))
+            return sft_loss_backward(model, ids, attn, labels, max_tokens=s.max_tokens_per_microbatch,
+                                     lm_head=s.lm_head, precision=self.precision)  # fmt: skip
+        n_tokens = int((collate(batch, pad_id)[2][:, 1:] >= 0).sum())  # the whole batch's
+        mine = [batch[i] for i in dp.row_share(len(batch))]
+        loss, chunks = 0.0, 0
+        if dp.sharded:
+            dp.forwards = 0  # a dev eval's generation ran forwards that no plan counted
+        if mine:
+            ids, attn, labels = (t.to(model.device) for t in collate(mine, pad_id))
+            chunks = len(row_chunks(attn, s.max_tokens_per_microbatch))
+        target = dp.agree([chunks])[0] if dp.sharded else 0
+        if mine:
+            loss = sft_loss_backward(model, ids, attn, labels, max_tokens=s.max_tokens_per_microbatch,
+                                     lm_head=s.lm_head, precision=self.precision,
+                                     n_tokens=n_tokens)  # fmt: skip
+        if dp.sharded:
+            dp.pad_to(model, target, grad=True)
+        dp.all_reduce_gradients(model)
+        return dp.sum_scalar(loss)
 
     def dev_eval_due(self) -> bool:
         """With a target, dev evals start at ``min_steps``: an earlier one cannot stop training."""

@@ -55,6 +55,8 @@ class SFTOutcome:
     peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the training loop
     run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
     cached: bool = False
+    # trained on the trainer group's ranks: each step's metrics, for the driver to log
+    history: list[dict] | None = field(default=None, metadata=NOT_RECORDED)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,13 @@ the directory is deleted once the stage's output and manifest are written.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from cluster import process, storage
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import SFTConfig
 from grpo_core.data import load_rows
@@ -22,7 +24,7 @@ from tasks import policy_cache
 from tasks.cache import cached, stage_key
 from tasks.mlflow_runs import stage_run
 from tasks.results import SFTOutcome
-from tasks.run_log import logger, timer
+from tasks.run_log import logger, pull, timer
 from tasks.tracking import Tracking
 from tasks.workspace import Workspace
 
@@ -40,19 +42,26 @@ def train_stage(
     on_step=None,
     on_resume=None,
     resume_key: str = "",
+    data_parallel=None,
 ) -> SFTOutcome:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
 
     With ``cfg.checkpoint_every`` > 0 the state is saved every K steps beside the output
     (``Workspace.resume_checkpoint``) and a run with the same ``resume_key`` resumes from it.
+    ``data_parallel``: this is one rank of the trainer group (:func:`run_sft`); rank 0
+    writes the checkpoint.
     """
     from grpo_core.memory import PeakMemory  # torch: only when the stage really trains
+    from grpo_core.parallel import LOCAL
     from grpo_core.sft import train_sft
 
     log = logger(__name__)
+    dp = data_parallel or LOCAL
+    pull(init_checkpoint, data_path, dev_path)  # a rank on a node without the run folder
     rows = load_rows(data_path, required=("prompt", "completion"))
     w = policy_cache.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
+    dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w)))  # ranks: equal, or sharded
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
         "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
@@ -72,18 +81,10 @@ def train_stage(
             resume_key=resume_key,
             on_resume=on_resume,
             logger=log,
+            parallel=dp,
         )
-    save_checkpoint(
-        w.model,
-        w.tokenizer,
-        out_checkpoint,
-        info={
-            "stage": stage,
-            "steps": result.steps,
-            "resumed_from": result.resumed_from,
-            **policy_cache.lora_info(w),
-        },
-    )
+    info = {"stage": stage, "steps": result.steps, "resumed_from": result.resumed_from}
+    _save(w, out_checkpoint, {**info, **policy_cache.lora_info(w)}, dp)
     policy_cache.put(out_checkpoint, w)
     log.info(
         "%s: %d steps in %.1fs, final loss %.4f, peak memory %.2f GiB%s",
@@ -103,7 +104,46 @@ def train_stage(
         train_examples=len(rows),
         policy_id=w.policy_id,
         peak_memory_gib=mem.gib,
+        history=result.history if data_parallel is not None else None,
     )
+
+
+def _save(w, out_checkpoint: str, info: dict, dp) -> None:
+    """The trained policy to ``out_checkpoint``; on ranks, written by rank 0 (a sharded
+    model's weights gathered to it first) and shared through the store."""
+    weights = dp.full_state_dict(w.model) if dp.sharded else None  # a collective
+    if dp.rank == 0:
+        save_checkpoint(w.model, w.tokenizer, out_checkpoint, info=info, state_dict=weights)
+        if dp.world_size > 1:
+            storage.publish(out_checkpoint)
+    dp.barrier()  # the checkpoint exists when any rank returns
+    if dp.rank != 0:
+        pull(out_checkpoint)
+
+
+def sft_on_rank(data_parallel, model_options, **kwargs) -> SFTOutcome:
+    """One rank of the trainer group (a Ray actor): the run's model load options, then
+    :func:`train_stage` with this rank's ``data_parallel``."""
+    process.load_policies_with(model_options)
+    return train_stage(**kwargs, data_parallel=data_parallel)
+
+
+def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
+    """:func:`train_stage` (keywords) where this process's executor trains: here, with the
+    live step callbacks, or on every rank of the trainer group (``cluster.backend: ray``),
+    whose per-step metrics ``on_resume`` gets once rank 0 returns them."""
+    from cluster import runtime
+
+    out = runtime.executor().update(
+        functools.partial(train_stage, on_step=on_step, on_resume=on_resume),
+        functools.partial(sft_on_rank, model_options=policy_cache.options()),
+        kwargs,
+        what=f"{kwargs['stage']} SFT",
+        out_checkpoint=kwargs["out_checkpoint"],
+    )
+    if out.history is not None and on_resume is not None:
+        on_resume(out.steps, out.history)
+    return dataclasses.replace(out, history=None)
 
 
 def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage: str):
@@ -162,12 +202,12 @@ def sft_stage(
             out_checkpoint,
             key,
             force=force,
-            compute=lambda: train_stage(
-                stage,
-                init_checkpoint,
-                data_path,
-                out_checkpoint,
-                cfg,
+            compute=lambda: run_sft(
+                stage=stage,
+                init_checkpoint=init_checkpoint,
+                data_path=data_path,
+                out_checkpoint=out_checkpoint,
+                cfg=cfg,
                 dev_path=dev_path,
                 max_completion_length=max_completion_length,
                 seed=seed,

@@ -287,3 +287,55 @@ def test_a_local_ray_counts_every_role():
     )
     assert local_num_cpus(big) == max(os.cpu_count(), 12)
     assert local_num_cpus(big.model_copy(update={"num_cpus": 3})) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_sft_on_the_trainer_group_is_the_one_process_sft(
+    ray_trainers, tiny_checkpoint, tmp_path, strategy
+):
+    """SFT (a cold start or re-SFT) on the 2 trainer actors: each trains its share of every
+    batch, and the checkpoint rank 0 writes equals the one-process run's within fp32
+    tolerance, with the same per-step losses (which the driver logs from rank 0's result).
+    A batch of 5 rows splits 3 + 2; ``max_tokens_per_microbatch`` makes the ranks run
+    different numbers of chunks, which FSDP's ranks must even out."""
+    import json
+
+    from cluster import runtime, trainer_group
+    from grpo_core.config import SFTConfig
+    from grpo_core.demo.task import make_splits
+    from tasks import policy_cache
+    from tasks.sft import run_sft
+
+    rows = make_splits(digits=2, n_sft=20, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = SFTConfig(max_steps=4, batch_size=5, learning_rate=1e-3, max_tokens_per_microbatch=40)
+    kwargs = dict(stage="cold_start_sft", init_checkpoint=str(tiny_checkpoint),
+                  data_path=str(data), cfg=cfg)  # fmt: skip
+
+    runtime.configure(ClusterConfig())
+    policy_cache.clear()
+    local: list = []  # the one-process run's per-step metrics, as it logs them live
+    restored: list = []  # the ranks': handed to the driver with rank 0's result
+    one = run_sft(**kwargs, out_checkpoint=str(tmp_path / "one"),
+                  on_step=lambda step, m: local.append(m))  # fmt: skip
+    trainer = ray_trainers.trainer.model_copy(update={"strategy": strategy})
+    cfg_ray = ray_trainers.model_copy(update={"trainer": trainer})
+    runtime.configure(cfg_ray)
+    try:
+        two = run_sft(**kwargs, out_checkpoint=str(tmp_path / "two"),
+                      on_resume=lambda step, history: restored.extend(history))  # fmt: skip
+        pids = trainer_group.trainer_group(cfg_ray).pids
+    finally:
+        trainer_group.release()
+        runtime.configure(ray_trainers)
+        policy_cache.clear()
+    assert len(set(pids)) == 2 and os.getpid() not in pids  # trained on the actors
+    assert two.steps == one.steps == 4 and two.history is None
+    assert [h["loss"] for h in restored] == pytest.approx([h["loss"] for h in local], rel=1e-5)
+    a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    before = _weights(tiny_checkpoint)
+    assert max(float((a[k] - before[k]).abs().max()) for k in a) > 1e-4  # it trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=5e-6, msg=k)
