@@ -151,7 +151,20 @@ class PipelineConfig(Section):
             raise ValueError(
                 f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
             )
+        self._replicas_fit_the_engine()
         return self
+
+    def _replicas_fit_the_engine(self) -> None:
+        """On Ray, a vLLM replica spans ``tensor_parallel_size`` GPUs: its actor must reserve
+        that many (``cluster.rollout.num_gpus``), or vLLM fails at start inside the actor."""
+        tp = self.rollout.vllm.tensor_parallel_size
+        uses_vllm = "vllm" in (self.rollout.engine, self.eval.engine)
+        if self.cluster.backend == "ray" and uses_vllm and self.cluster.rollout.num_gpus < tp:
+            raise ValueError(
+                f"cluster.rollout.num_gpus is {self.cluster.rollout.num_gpus}, but each vLLM "
+                f"replica spans rollout.vllm.tensor_parallel_size = {tp} GPUs: set "
+                f"cluster.rollout.num_gpus to {tp} or lower tensor_parallel_size"
+            )
 
     def run_folder(self) -> Workspace:
         """This run's folder (``output_dir/run_name``), named only: flows/run_context.py

@@ -156,6 +156,12 @@ class VLLMEngine:
         if checkpoint is None:
             raise ValueError("vllm engine: needs checkpoint= (a save_pretrained directory)")
         opts = llm_options(checkpoint, **options)
+        tp = opts.llm_kwargs["tensor_parallel_size"]
+        if opts.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(
+                f"vllm engine: tensor_parallel_size {tp} needs that many GPUs; this process "
+                f"sees {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES)"
+            )
         for key, value in opts.env.items():
             if key == "OMP_NUM_THREADS":
                 os.environ.setdefault(key, value)

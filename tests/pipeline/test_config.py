@@ -181,6 +181,14 @@ def test_vllm_settings_on_cpu_and_with_several_gpus():
     assert "kv_cache_memory_bytes" not in tp.llm_kwargs
 
 
+def test_ray_replicas_must_reserve_the_engines_tensor_parallel_gpus():
+    ray_tp2 = ["cluster.backend=ray", "rollout.engine=vllm", "rollout.vllm.tensor_parallel_size=2"]
+    with pytest.raises(ValueError, match="cluster.rollout.num_gpus is 0.0, but each vLLM"):
+        load_config(None, ray_tp2)
+    cfg = load_config(None, [*ray_tp2, "cluster.rollout={workers: 1, num_gpus: 2}"])
+    assert cfg.cluster.rollout.num_gpus == 2
+
+
 def test_smollm2_preset_runs_the_recipe_on_generated_word_problems():
     cfg = load_config(Path(__file__).parents[2] / "configs" / "smollm2-cpu.yaml")
     assert cfg.model.source == "path" and cfg.model.path == "models/smollm2-135m-instruct"
