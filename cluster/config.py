@@ -33,6 +33,12 @@ class TrainerSettings(WorkerSettings):
         description="ddp: a full replica of the policy per rank; fsdp: the decoder layers "
         "sharded over the ranks with FSDP2 (parameters, gradients, AdamW state)",
     )
+    fsdp_param_dtype: Literal["bfloat16", "float32"] | None = Field(
+        None,
+        description="strategy fsdp: the dtype a layer is all-gathered and computed in (FSDP2 "
+        "MixedPrecisionPolicy; shards, AdamW state and the gradient reduction stay float32); "
+        "bfloat16 halves the all-gathers' bytes (with rl.bf16); None: the weights' dtype",
+    )
 
 
 class ClusterConfig(Section):

@@ -50,11 +50,18 @@ class TrainerGroupError(RuntimeError):
 class TrainerWorker:
     """One rank of the trainer group (the class a Ray actor runs)."""
 
-    def __init__(self, rank: int, world_size: int, dist_backend: str, strategy: str = "ddp"):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        dist_backend: str,
+        strategy: str = "ddp",
+        param_dtype: str | None = None,
+    ):
         import torch
 
         self.rank, self.world_size, self.backend = rank, world_size, dist_backend
-        self.strategy = strategy
+        self.strategy, self.param_dtype = strategy, param_dtype
         self.data_parallel = None
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
@@ -83,7 +90,7 @@ class TrainerWorker:
                 rank=self.rank,
                 world_size=self.world_size,
             )
-            self.data_parallel = make_data_parallel(self.strategy)
+            self.data_parallel = make_data_parallel(self.strategy, param_dtype=self.param_dtype)
         return os.getpid()
 
     def run(self, fn: Callable, kwargs: dict) -> Any:
@@ -157,7 +164,9 @@ class TrainerGroup:
             )
             opts = {**options, **({"scheduling_strategy": strategy} if strategy else {})}
             self.actors.append(
-                actor.options(**opts).remote(rank, g.workers, g.dist_backend, g.strategy)
+                actor.options(**opts).remote(
+                    rank, g.workers, g.dist_backend, g.strategy, g.fsdp_param_dtype
+                )
             )
         try:
             addr, port = ray.get(self.actors[0].address.remote())

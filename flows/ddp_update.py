@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="ddp",
         help="ddp: a replica per rank; fsdp: decoder layers sharded (FSDP2)",
     )
+    p.add_argument(
+        "--fsdp-param-dtype",
+        choices=["bfloat16", "float32"],
+        help="fsdp: all-gather and run the layers in this dtype (gradients reduced in float32)",
+    )
     return p
 
 
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from tasks import policy_cache
     from tasks.update import update_from_file
 
-    with process_group(args.backend, args.strategy) as dp:
+    with process_group(args.backend, args.strategy, args.fsdp_param_dtype) as dp:
         res = update_from_file(
             args.policy,
             args.scored,

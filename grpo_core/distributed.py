@@ -214,10 +214,13 @@ def default_backend() -> str:
 
 
 @contextmanager
-def process_group(backend: str | None = None, strategy: str = "ddp") -> Iterator[DataParallel]:
+def process_group(
+    backend: str | None = None, strategy: str = "ddp", param_dtype: str | None = None
+) -> Iterator[DataParallel]:
     """Join the process group that ``torchrun`` (or :func:`spawn`) describes in the
     environment; destroy it on exit. nccl: this rank's GPU is ``LOCAL_RANK``. ``strategy``:
-    ``ddp`` (replicas) or ``fsdp`` (:class:`grpo_core.fsdp.ShardedDataParallel`)."""
+    ``ddp`` (replicas) or ``fsdp`` (:class:`grpo_core.fsdp.ShardedDataParallel`, its layers
+    all-gathered in ``param_dtype``)."""
     missing = [
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
@@ -231,17 +234,20 @@ def process_group(backend: str | None = None, strategy: str = "ddp") -> Iterator
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend)
     try:
-        yield make_data_parallel(strategy)
+        yield make_data_parallel(strategy, param_dtype=param_dtype)
     finally:
         dist.destroy_process_group()
 
 
-def make_data_parallel(strategy: str = "ddp", group=None) -> DataParallel:
-    """This rank's :class:`DataParallel` for ``strategy`` (``ddp`` or ``fsdp``)."""
+def make_data_parallel(
+    strategy: str = "ddp", group=None, param_dtype: str | None = None
+) -> DataParallel:
+    """This rank's :class:`DataParallel` for ``strategy`` (``ddp`` or ``fsdp``; ``fsdp``
+    all-gathers its layers in ``param_dtype``, default the weights' own)."""
     if strategy == "fsdp":
         from grpo_core.fsdp import ShardedDataParallel
 
-        return ShardedDataParallel(group)
+        return ShardedDataParallel(group, param_dtype=param_dtype)
     if strategy != "ddp":
         raise ValueError(f"unknown data-parallel strategy {strategy!r}; expected ddp or fsdp")
     return DataParallel(group)

@@ -55,6 +55,7 @@ class ShardedDataParallel(DataParallel):
     """A :class:`DataParallel` rank whose model's decoder layers are sharded (:meth:`wrap`)."""
 
     sharded: ClassVar[bool] = True
+    param_dtype: str | None = None  # the layers' all-gather/compute dtype (None: the weights')
     forwards: int = 0  # sharded forwards since the last pad_to
     _hooked: list = field(default_factory=list)
 
@@ -94,7 +95,7 @@ class ShardedDataParallel(DataParallel):
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
         layers = decoder_layers(model)
         for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True)  # each layer is a root
+            fully_shard(layer, mesh=mesh, reshard_after_forward=True, **self._mp())  # a root each
             layer.set_gradient_divide_factor(1.0)  # sum: the losses are global shares
             layer.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
         # one forward of the decoder is one sharded forward of every layer; a hook on a layer
@@ -102,6 +103,16 @@ class ShardedDataParallel(DataParallel):
         self._hooked = [model.get_decoder().register_forward_pre_hook(self._count)]
         chunked_head_reason(model)  # its probe's forwards, on every rank at once
         self.forwards = 0
+
+    def _mp(self) -> dict:
+        """``fully_shard``'s mixed-precision policy: layers gathered and run in
+        ``param_dtype``, gradients reduce-scattered in float32 into float32 shards."""
+        if self.param_dtype is None:
+            return {}
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = getattr(torch, self.param_dtype)
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)}
 
     def _count(self, module, args) -> None:
         self.forwards += 1

@@ -237,3 +237,36 @@ def gather_memory(data_parallel, checkpoint: str, out_dir: str) -> None:
         "moments": len(moments),
     }
     torch.save(out, f"{out_dir}/gather{dp.rank}.pt")
+
+
+BF16_CASE = dict(loss=dict(loss_type="dapo"), update=dict(steps_per_generation=2, bf16=True))
+
+
+def bf16_update(checkpoint: str, data_parallel=None) -> dict:
+    """One bf16-autocast update (AdamW) of 6 groups; with ``data_parallel`` (a sharded rank)
+    the dtypes its layers ran in and its shards and gradients hold."""
+    from grpo_core.optim import build_optimizer
+
+    model, tok = load_checkpoint(checkpoint)
+    seen: set = set()
+    if data_parallel is not None:
+        data_parallel.wrap(model)
+        layer = model.get_decoder().layers[0]
+        layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.add(str(m.weight.dtype)))
+    opt = build_optimizer(model, "adamw_torch_foreach", lr=1e-3)
+    cfg = UpdateConfig(
+        loss=LossConfig(**BF16_CASE["loss"]), entropy_of_skipped_rows=False, **BF16_CASE["update"]
+    )
+    history = grpo_update(model, opt, None, batch(6, tok.pad_token_id), cfg,
+                          data_parallel=data_parallel)  # fmt: skip
+    out = {"losses": [h["loss"] for h in history], "ran_in": sorted(seen)}
+    out["shards"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["moments"] = sorted({str(s["exp_avg"].dtype) for s in opt.state.values()})
+    return out
+
+
+def run_bf16_sharded(data_parallel, checkpoint: str, out_dir: str) -> None:
+    from grpo_core.fsdp import ShardedDataParallel
+
+    dp = ShardedDataParallel(data_parallel.group, param_dtype="bfloat16")
+    torch.save(bf16_update(checkpoint, dp), f"{out_dir}/bf16-rank{dp.rank}.pt")

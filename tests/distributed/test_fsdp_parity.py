@@ -57,3 +57,21 @@ def test_decoder_layers_are_the_models_blocks(tiny_model):
 def test_a_model_without_known_blocks_is_refused():
     with pytest.raises(ValueError, match="no decoder layers to shard"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_layers_gathered_in_bf16_keep_float32_shards_and_state(tiny_checkpoint, tmp_path):
+    """``cluster.trainer.fsdp_param_dtype: bfloat16`` (FSDP2's MixedPrecisionPolicy): the
+    layers run in bf16 (half the all-gather bytes), the shards, AdamW moments and gradient
+    reduction stay float32, and the losses follow the one-process bf16-autocast update's."""
+    from ddp_cases import bf16_update, run_bf16_sharded
+
+    from grpo_core.distributed import spawn
+
+    one = bf16_update(str(tiny_checkpoint))
+    spawn(run_bf16_sharded, WORLD, str(tiny_checkpoint), str(tmp_path))
+    ranks = [torch.load(tmp_path / f"bf16-rank{r}.pt") for r in range(WORLD)]
+    for r in ranks:
+        assert r["ran_in"] == ["torch.bfloat16"]
+        assert r["shards"] == r["moments"] == ["torch.float32"]
+        assert r["losses"] == pytest.approx(one["losses"], rel=2e-2)
+    assert ranks[0]["losses"] == ranks[1]["losses"]
