@@ -52,6 +52,10 @@ class Local:
     def rollout_shards(self, n_prompts: int) -> int:
         return 1
 
+    def sampled_dtype(self, policy: Policy) -> str:
+        """The dtype of the model that samples ``policy`` (a rollout file records it)."""
+        return str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+
     def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
         """This process's engine ``name`` holding ``policy``'s weights (kept across calls)."""
         return self.engines.get(
@@ -125,8 +129,15 @@ class OnRay(Local):
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)
 
+    def sampled_dtype(self, policy) -> str:
+        from cluster import rollout_workers
+
+        return rollout_workers.replica_dtype()
+
     def sample(self, policy, prompt_ids, params, *, engine, engine_options, load_options,
                check_sync, desc):  # fmt: skip
+        """On the replicas; ``policy.model`` None (``tasks/policy_files.py``): they load the
+        weights from ``policy.checkpoint`` themselves."""
         from cluster import rollout_workers
 
         return rollout_workers.sample(
@@ -136,6 +147,7 @@ class OnRay(Local):
             checkpoint=str(policy.checkpoint),
             policy_id=policy.policy_id,
             model=policy.model,
+            config=policy.config,
             tokenizer=policy.tokenizer,
             engine=engine,
             engine_options=engine_options,
@@ -189,6 +201,10 @@ class Sampler:
             spec,
             load_options,
         )
+
+    @property
+    def config(self):  # the model's positions, for the prompt-length check
+        return self.policy.config
 
     def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
         return self.executor.sample(

@@ -83,6 +83,7 @@ class Replica:
         from grpo_core.engines import get_engine
 
         storage.pull(checkpoint)  # a node without the run folder: from the shared store
+        self.engine_name = engine
         opts = dict(engine_options or {})
         if engine == "hf":
             from grpo_core.checkpoint import load_checkpoint
@@ -112,6 +113,33 @@ class Replica:
             out = self._greedy(probe)
         self.engine.sleep()
         return out
+
+    def load_checkpoint(self, checkpoint: str, policy_id: str) -> None:
+        """Take the weights of ``checkpoint`` (the trainer group wrote it; pulled from the
+        shared store on a node without the run folder): the driver holds no copy to send."""
+        from cluster import storage
+
+        storage.pull(checkpoint)
+        self.engine.wake_up(tags=["weights"])
+        if self.engine_name == "hf":
+            from grpo_core.trainer_state import load_weights_
+
+            load_weights_(self.engine.model, checkpoint)  # in place, the model's own dtype
+        else:
+            from grpo_core.checkpoint import load_checkpoint
+
+            model, _ = load_checkpoint(checkpoint, device="cpu")
+            self.engine.update_weights(model.state_dict())
+            del model
+        self.policy_id = policy_id
+        self.engine.sleep()
+
+    def dtype(self) -> str:
+        """The dtype this replica samples in (hf: its model's; vllm: its option, or auto)."""
+        model = getattr(self.engine, "model", None)
+        if model is not None:
+            return str(next(model.parameters()).dtype).removeprefix("torch.")
+        return str(getattr(self.engine, "dtype", "auto"))
 
     def _greedy(self, probe: list[int]) -> list[int]:
         from grpo_core.engines import engine_probe
@@ -163,6 +191,7 @@ class RolloutGroup:
         self.synced = [policy_id] * group.workers
         self.replaced = 0  # replicas started again after one died
         self.served: list[str] = []  # each generate call's ``desc`` (rollouts, evals, ...)
+        self._dtype: str | None = None  # what the replicas sample in (asked once)
         self.inflight: list = []  # object refs of the call in progress (for tests and logs)
         log.info("started %d %s rollout replicas on %s", group.workers, engine, checkpoint)
 
@@ -180,6 +209,9 @@ class RolloutGroup:
         started again from ``checkpoint`` (which holds those weights)."""
         stale = [i for i, pid in enumerate(self.synced) if pid != policy_id]
         if not stale:
+            return
+        if model is None:  # the driver holds no weights: the replicas read the checkpoint
+            self._load_from(checkpoint, policy_id, stale)
             return
         from grpo_core import lora
         from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
@@ -207,6 +239,21 @@ class RolloutGroup:
                     f"{policy_id}: greedy probe gave {got}, the trainer's model {expected}"
                 )
             self.synced[i] = policy_id
+
+    def _load_from(self, checkpoint: str, policy_id: str, stale: list[int]) -> None:
+        calls = {i: self.actors[i].load_checkpoint.remote(checkpoint, policy_id) for i in stale}
+        for i, call in calls.items():
+            try:
+                self._get(call, i, f"loading policy {policy_id} from {checkpoint}", fatal=False)
+            except _ReplicaDied as died:
+                log.warning("rollout replica %d died (%s); starting a fresh one", i, died)
+                self._replace(i, checkpoint, policy_id)  # starts from that checkpoint
+            self.synced[i] = policy_id
+
+    def dtype(self) -> str:
+        if self._dtype is None:
+            self._dtype = self._get(self.actors[0].dtype.remote(), 0, "asking its dtype")
+        return self._dtype
 
     def generate(
         self,
@@ -290,9 +337,9 @@ _GROUPS: dict[str, RolloutGroup] = {}
 _LOCK = threading.Lock()
 
 
-def _key(cfg: ClusterConfig, engine: str, engine_options, load_options, model) -> str:
+def _key(cfg: ClusterConfig, engine: str, engine_options, load_options, config) -> str:
     """What a group of replicas is: resources, engine spec, load options, architecture."""
-    arch = model.config.to_dict()
+    arch = config.to_dict()
     for k in ("_name_or_path", "transformers_version"):
         arch.pop(k, None)
     spec = [cfg.rollout.model_dump(), engine, engine_options or {}, load_options or {}, arch]
@@ -308,6 +355,7 @@ def sample(
     policy_id: str,
     model,
     tokenizer,
+    config=None,
     engine: str = "hf",
     engine_options: Mapping | None = None,
     load_options: Mapping[str, Any] | None = None,
@@ -316,12 +364,15 @@ def sample(
     retries: int = 1,
 ) -> list[Sample]:
     """Sample on the process's rollout replicas (started on first use, then synced to
-    ``model``'s weights whenever ``policy_id`` changes); a replica that dies is replaced
-    and its shard redone ``retries`` times."""
+    ``model``'s weights whenever ``policy_id`` changes; ``model`` None: they load
+    ``checkpoint`` themselves, ``config`` its config); a replica that dies is replaced and
+    its shard redone ``retries`` times."""
     from cluster.runtime import ensure_ray
 
     ray = ensure_ray(cfg)
-    key = _key(cfg, engine, engine_options, load_options, model)
+    key = _key(
+        cfg, engine, engine_options, load_options, model.config if config is None else config
+    )
     with _LOCK:
         group = _GROUPS.get(key)
         if group is None:
@@ -351,6 +402,13 @@ def sample(
 
 def groups() -> list[RolloutGroup]:
     return list(_GROUPS.values())
+
+
+def replica_dtype() -> str:
+    """What the current replica group samples in (the group the last sample call used)."""
+    with _LOCK:
+        (group,) = _GROUPS.values()
+    return group.dtype()
 
 
 def close_all() -> None:

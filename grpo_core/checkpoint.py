@@ -285,6 +285,18 @@ def resolve_model_path(value: str | Path, field: str = "model.path") -> Path:
     )
 
 
+def load_tokenizer(ckpt_dir: str | Path):
+    """A checkpoint's tokenizer as :func:`load_checkpoint` sets it up (left padding, a pad
+    token), without the model."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ckpt_dir)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_checkpoint(
     ckpt_dir: str | Path,
     *,
@@ -303,7 +315,7 @@ def load_checkpoint(
     (QLoRA; needs a CUDA GPU); ``device``: where the model goes (:func:`resolve_device`:
     ``auto`` is this process's current CUDA device when there is one, else the CPU)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from grpo_core.errors import UserError
 
@@ -331,10 +343,7 @@ def load_checkpoint(
             bnb_4bit_compute_dtype=compute,
         )
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    tokenizer = AutoTokenizer.from_pretrained(ckpt_dir)
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(ckpt_dir)
     model = AutoModelForCausalLM.from_pretrained(ckpt_dir, **kwargs)
     target = resolve_device(device)
     if not load_in_4bit and target.type != "cpu":  # 4-bit weights are placed by device_map

@@ -121,7 +121,7 @@ def passthrough_columns(rows: list[dict]) -> dict[str, list]:
 def _context(model, engine) -> int | None:
     """The positions of the model that generates (``model``, else the engine's own)."""
     holder = model if model is not None else getattr(engine, "model", None)
-    config = getattr(holder, "config", None)
+    config = getattr(holder, "config", None) or getattr(engine, "config", None)
     return model_context(config) if config is not None else None
 
 

@@ -17,7 +17,7 @@ from grpo_core.io import atomic_path, write_parquet
 from tasks import policy_cache
 from tasks.cache import cached, lookup, stage_key
 from tasks.results import EvalOutcome
-from tasks.rollout import HF_ENGINE
+from tasks.rollout import HF_ENGINE, policy_for
 from tasks.run_log import logger, timer
 
 
@@ -63,7 +63,7 @@ def _evaluate(
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
-    w = policy_cache.get(checkpoint)
+    w = policy_for(runtime.executor(), checkpoint, engine)  # on Ray: no weights in memory
     eng = _engine(w, engine)
     with timer() as t:
         result = evaluate(

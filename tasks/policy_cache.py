@@ -58,6 +58,10 @@ class CachedPolicy:
     extra: dict = field(default_factory=dict)
     loaded_with: dict = field(default_factory=lambda: _loading())  # the options it was loaded with
 
+    @property
+    def config(self):
+        return self.model.config
+
 
 _WARM: dict[str, CachedPolicy] = {}  # slot ("policy", "reference") -> warm model
 STATS = {"loads": 0, "hits": 0, "replays": 0}

@@ -88,13 +88,13 @@ def write_rollouts(
     """Sample ``params`` (a ``grpo_core.generation.SamplingParams``) for each prompt of
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
-    w = policy_cache.get(policy_checkpoint)
+    executor = runtime.executor()  # this process's engine, or the rollout replicas
+    w = policy_for(executor, policy_checkpoint, engine)
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
-        prompt_ids, context=model_context(w.model.config), max_new_tokens=params.max_new_tokens,
+        prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
         field="max_completion_length", source=desc,
     )  # fmt: skip
-    executor = runtime.executor()  # this process's engine, or the rollout replicas
     with timer() as t:
         samples = executor.sample(
             w,
@@ -106,7 +106,8 @@ def write_rollouts(
             check_sync=engine["check_sync"],
             desc=desc,
         )
-    meta = _metadata(w, policy_checkpoint, engine, params, executor.rollout_shards(len(rows)))
+    meta = _metadata(policy_checkpoint, engine, params, executor.rollout_shards(len(rows)),
+                     executor.sampled_dtype(w))  # fmt: skip
     tok = w.tokenizer
     table = rollout_table(
         rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
@@ -115,8 +116,20 @@ def write_rollouts(
     return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]))
 
 
-def _metadata(w, policy_checkpoint, engine: dict, params, shards: int) -> dict:
-    """The rollout file's metadata: what sampled it and how."""
+def policy_for(executor, checkpoint: str, engine: dict):
+    """The policy to sample from: without its weights in memory where the rollout replicas
+    load them (``tasks/policy_files.py``), unless the sync probe needs the trainer's model;
+    else the warm policy."""
+    if executor.remote_sampling and not engine["check_sync"]:
+        from tasks.policy_files import files
+
+        return files(checkpoint)
+    return policy_cache.get(checkpoint)
+
+
+def _metadata(policy_checkpoint, engine: dict, params, shards: int, dtype: str) -> dict:
+    """The rollout file's metadata: what sampled it and how (``dtype``: the sampling
+    model's, for the hf engine)."""
     meta = {
         "model": str(policy_checkpoint),
         "engine": engine["name"],
@@ -125,8 +138,8 @@ def _metadata(w, policy_checkpoint, engine: dict, params, shards: int) -> dict:
     }
     if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
         meta["rollout_shards"] = shards
-    if engine["name"] == "hf":  # the warm policy samples: its dtype (grpo_core/old_logprobs.py)
-        meta["dtype"] = str(next(w.model.parameters()).dtype).removeprefix("torch.")
+    if engine["name"] == "hf":  # the sampling model's dtype (grpo_core/old_logprobs.py)
+        meta["dtype"] = dtype
     return meta
 
 

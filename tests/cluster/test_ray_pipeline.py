@@ -52,8 +52,14 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
+    from tasks import policy_cache
+
     store = tmp_path / "store"  # storage.url: the run folder also mirrored (cluster/storage.py)
+    policy_cache.clear()
+    loads = policy_cache.STATS["loads"]
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
+    # the driver held no policy: the ranks trained, the replicas loaded each new checkpoint
+    assert policy_cache.STATS["loads"] == loads and policy_cache.warm() is None
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
     # the held-out evals sample on the replicas too (a driver without a GPU holds no engine)
