@@ -54,7 +54,9 @@ class Local:
 
     def sampled_dtype(self, policy: Policy) -> str:
         """The dtype of the model that samples ``policy`` (a rollout file records it)."""
-        return str(next(policy.model.parameters()).dtype).removeprefix("torch.")
+        from grpo_core.checkpoint import dtype_name
+
+        return dtype_name(policy.model)
 
     def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
         """This process's engine ``name`` holding ``policy``'s weights (kept across calls)."""
@@ -195,12 +197,8 @@ class Sampler:
     name = "sampler"
 
     def __init__(self, executor: Local, policy: Policy, spec: Mapping, load_options) -> None:
-        self.executor, self.policy, self.spec, self.load_options = (
-            executor,
-            policy,
-            spec,
-            load_options,
-        )
+        self.executor, self.policy = executor, policy
+        self.spec, self.load_options = spec, load_options
 
     @property
     def config(self):  # the model's positions, for the prompt-length check

@@ -138,7 +138,9 @@ class Replica:
         """The dtype this replica samples in (hf: its model's; vllm: its option, or auto)."""
         model = getattr(self.engine, "model", None)
         if model is not None:
-            return str(next(model.parameters()).dtype).removeprefix("torch.")
+            from grpo_core.checkpoint import dtype_name
+
+            return dtype_name(model)
         return str(getattr(self.engine, "dtype", "auto"))
 
     def _greedy(self, probe: list[int]) -> list[int]:

@@ -260,6 +260,12 @@ def policy_id(ckpt_dir: str | Path) -> str:
     return pid
 
 
+def dtype_name(model) -> str:
+    """The dtype of ``model``'s (first) parameters as the rollout files and configs name it:
+    ``float32``, ``bfloat16``, ..."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def resolve_model_path(value: str | Path, field: str = "model.path") -> Path:
     """A ``save_pretrained`` directory, or a hub id resolved to its snapshot in the local
     Hugging Face cache (``local_files_only``: nothing is downloaded)."""

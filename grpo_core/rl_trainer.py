@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_core.checkpoint import policy_id
+from grpo_core.checkpoint import dtype_name, policy_id
 from grpo_core.config import RLConfig
 from grpo_core.memory import PeakMemory
 from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
@@ -83,7 +83,7 @@ def engine_correction_for(rows: ScoredRows, rl: RLConfig, model, *, quantized: b
     on, why = engine_correction_choice(
         rl.vllm_importance_sampling_correction,
         file_meta=read_metadata_of(rows.table),
-        model_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+        model_dtype=dtype_name(model),
         bf16=rl.bf16,
         fp16=rl.fp16,
         quantized=quantized,
@@ -97,14 +97,13 @@ def old_logprobs_for(
 ) -> tuple[str, str]:
     """``rl.old_logprobs`` resolved for these rows and the policy being updated (``model``,
     whose weights are ``policy``; ``quantized``: loaded in 4 bits): ``(source, reason)``."""
-    param = next(model.parameters())
     return old_logprobs_source(
         rl.old_logprobs,
         file_meta=read_metadata_of(rows.table),
         policy_ids=set(rows.table.column("policy_id").unique().to_pylist()),
         policy_id=policy,
         temperature=rl.temperature,
-        model_dtype=str(param.dtype).removeprefix("torch."),
+        model_dtype=dtype_name(model),
         bf16=rl.bf16,
         fp16=rl.fp16,
         quantized=quantized,

@@ -157,9 +157,10 @@ def warm(slot: str = "policy") -> CachedPolicy | None:
 def describe(model) -> dict:
     """What a model in memory is, as loaded: dtype, LoRA, gradient checkpointing."""
     from grpo_core import lora
+    from grpo_core.checkpoint import dtype_name
 
     return {
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": dtype_name(model),
         "lora": lora.is_peft(model),
         "gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
     }
