@@ -88,6 +88,11 @@ def row_chunks(attention_mask: torch.Tensor, max_tokens: int | None) -> list[sli
     return chunks
 
 
+def target_tokens(labels: torch.Tensor) -> int:
+    """The tokens a batch's loss predicts: its labels (not -100) after the first position."""
+    return int((labels[:, 1:] >= 0).sum())
+
+
 def sft_loss_backward(
     model,
     ids: torch.Tensor,
@@ -106,10 +111,7 @@ def sft_loss_backward(
     Returns the loss (this share's part of it)."""
     precision = precision or Precision()
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [n, L] shifted
-    if n_tokens is None:
-        n_tokens = (targets >= 0).sum().clamp(min=1)
-    else:
-        n_tokens = torch.tensor(max(n_tokens, 1))
+    n_tokens = torch.tensor(max(target_tokens(labels) if n_tokens is None else n_tokens, 1))
     total = 0.0
     for rows in row_chunks(attn, max_tokens):
         width = max(1, int(attn[rows].sum(-1).max()))  # right padding beyond it is dropped
@@ -285,7 +287,7 @@ class _Run:
             ids, attn, labels = (t.to(model.device) for t in collate(batch, pad_id))
             return sft_loss_backward(model, ids, attn, labels, max_tokens=s.max_tokens_per_microbatch,
                                      lm_head=s.lm_head, precision=self.precision)  # fmt: skip
-        n_tokens = int((collate(batch, pad_id)[2][:, 1:] >= 0).sum())  # the whole batch's
+        n_tokens = target_tokens(collate(batch, pad_id)[2])  # the whole batch's
         mine = [batch[i] for i in dp.row_share(len(batch))]
         loss, chunks = 0.0, 0
         if dp.sharded:
