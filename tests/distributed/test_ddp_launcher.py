@@ -27,6 +27,22 @@ OVERRIDES = [
 ]
 
 
+def _torchrun(policy, scored, out, sets: list[str], strategy: str = "ddp") -> dict:
+    """``torchrun --nproc-per-node 2 -m flows.ddp_update``; its summary line."""
+    args = ["--policy", str(policy), "--scored", str(scored), "--out", str(out)]
+    args += ["--strategy", strategy]
+    for o in sets:
+        args += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "flows.ddp_update", *args],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 def _weights(checkpoint) -> dict:
     return load_file(os.path.join(checkpoint, "model.safetensors"))
 
@@ -43,18 +59,7 @@ def test_torchrun_two_ranks_write_the_one_process_checkpoint(tiny_checkpoint, tm
         str(tiny_checkpoint), scored, str(tmp_path / "one"), rl,
         reference_checkpoint=str(tiny_checkpoint),
     )  # fmt: skip
-    args = ["--policy", str(tiny_checkpoint), "--scored", scored, "--out", str(tmp_path / "two")]
-    args += ["--strategy", strategy]
-    for o in OVERRIDES:
-        args += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "flows.ddp_update", *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    summary = _torchrun(tiny_checkpoint, scored, tmp_path / "two", OVERRIDES, strategy)
     assert summary["world_size"] == 2 and summary["steps"] == len(one.history) == 6
     assert summary["loss"] == pytest.approx(one.history[-1]["loss"], rel=1e-4, abs=1e-6)
     a, b = _weights(tmp_path / "one"), _weights(tmp_path / "two")
@@ -101,17 +106,7 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
     finally:
         process.load_policies_with(before)
         policy_cache.clear()
-    args = ["--policy", str(tiny_checkpoint), "--scored", scored, "--out", str(tmp_path / "two")]
-    for o in [*OVERRIDES, *model_sets]:
-        args += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "flows.ddp_update", *args],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
-    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    summary = _torchrun(tiny_checkpoint, scored, tmp_path / "two", [*OVERRIDES, *model_sets])
     assert summary["model"] == {"dtype": "float32", "lora": True, "gradient_checkpointing": True}
     info = json.loads((tmp_path / "two" / "checkpoint_info.json").read_text())
     assert info.get("lora_base_policy_id")  # a LoRA policy's checkpoint (merged, with its base)
