@@ -22,6 +22,22 @@ class WorkerSettings(Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs each worker reserves")
 
 
+class RolloutSettings(WorkerSettings):
+    """The rollout replicas, and how a new policy reaches them."""
+
+    weight_sync: Literal["auto", "broadcast", "checkpoint"] = Field(
+        "auto",
+        description="broadcast: trainer rank 0 sends a new policy to the replicas over a "
+        "process group of their own, device to device (NCCL when both roles have GPUs, else "
+        "gloo; cluster/weight_bus.py); checkpoint: each replica reads the checkpoint the "
+        "trainer group wrote; auto: broadcast when the trainer ranks and the replicas have "
+        "GPUs, else checkpoint (on CPU a local file read beats gloo over TCP)",
+    )
+    weight_sync_bucket_mb: int = Field(
+        256, ge=1, description="broadcast: tensors are packed into buffers of at most this size"
+    )
+
+
 class TrainerSettings(WorkerSettings):
     """The trainer role's workers and how its ranks train together."""
 
@@ -49,7 +65,7 @@ class ClusterConfig(Section):
     num_cpus: int | None = Field(
         None, ge=1, description="CPUs of the local Ray started when address is empty"
     )
-    rollout: WorkerSettings = WorkerSettings()
+    rollout: RolloutSettings = RolloutSettings()
     trainer: TrainerSettings = TrainerSettings()
     scoring: WorkerSettings = WorkerSettings()
 

@@ -12,7 +12,10 @@ the data-parallel update's ranks, the benchmarks). What it holds:
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
 - ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policy_cache.py loads
-  with it, and the stage cache keys name what of it changes results).
+  with it, and the stage cache keys name what of it changes results);
+- ``trained_policy``: where this process's policies in memory are found by ``policy_id``
+  (tasks/policy_cache.py registers it), for a trainer rank sending its weights to the
+  rollout replicas (cluster/weight_bus.py).
 
 What else a process keeps are caches and records of what it has open, each beside the code
 that uses it and emptied by it: the policies in memory (tasks/policy_cache.py), the Ray rollout
@@ -23,6 +26,7 @@ holds (flows/lock.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +45,7 @@ class ProcessState:
     store: RunStore | None = None
     store_env: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
+    trained_policy: Callable[[str], Any] | None = None
 
 
 STATE = ProcessState()

@@ -7,10 +7,12 @@ caller writes the same rollout Parquet as a local run: same columns, prompt-majo
 
 Replicas start once per process (per engine spec and worker group) from the checkpoint the
 first call names, which every worker must see (a local Ray, or a shared filesystem). When a
-later call names another policy, the driver's weights are put in Ray's object store once
-(``ray.put`` of the state dict) and every replica loads them; with ``check_sync`` the
-driver's greedy completion of the probe prompt is compared with each replica's
-(``rollout.check_sync``), and a replica that differs raises ``WeightSyncError`` naming it.
+later call names another policy, trainer rank 0 broadcasts it to them device to device
+(cluster/weight_sync.py), or each reads the checkpoint the trainer group wrote; with
+``check_sync`` the driver holds the model, its weights are put in Ray's object store once
+(``ray.put`` of the state dict) and every replica loads them, and the driver's greedy
+completion of the probe prompt is compared with each replica's (``rollout.check_sync``): a
+replica that differs raises ``WeightSyncError`` naming it.
 
 A replica that dies during a call (its process killed, its node lost) is replaced by a fresh
 one, started from the checkpoint being sampled, which redoes that shard with the same seed
@@ -26,13 +28,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from cluster import resources
-from cluster.config import ClusterConfig, WorkerSettings
+from cluster.config import ClusterConfig, RolloutSettings
+from cluster.replica import Replica, actor_options
 
 if TYPE_CHECKING:
     from grpo_core.generation import Sample, SamplingParams
@@ -67,115 +69,13 @@ def shard_seed(seed: int | None, shard: int) -> int | None:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-class Replica:
-    """One rollout engine in a Ray actor (made with ``ray.remote(Replica)``)."""
-
-    def __init__(
-        self,
-        checkpoint: str,
-        policy_id: str,
-        engine: str,
-        engine_options: Mapping | None,
-        load_options: Mapping | None,
-        tokenizer,
-    ) -> None:
-        from cluster import storage
-        from grpo_core.engines import get_engine
-
-        storage.pull(checkpoint)  # a node without the run folder: from the shared store
-        self.engine_name = engine
-        opts = dict(engine_options or {})
-        if engine == "hf":
-            from grpo_core.checkpoint import load_checkpoint
-
-            model, tokenizer = load_checkpoint(checkpoint, **dict(load_options or {}))
-            model.eval()
-            self.engine = get_engine("hf", model=model, tokenizer=tokenizer, **opts)
-        else:
-            self.engine = get_engine(engine, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
-        self.policy_id = policy_id
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
-        self.engine.wake_up()
-        samples = self.engine.generate(prompt_ids, params, progress=False)
-        self.engine.sleep()
-        return samples
-
-    def load_weights(self, state_dict: Mapping, policy_id: str, probe: list[int] | None):
-        """Take the driver's weights; with ``probe``, return the greedy probe completion.
-        A sleeping engine wakes its weights only (its KV cache waits for the next generate)."""
-        self.engine.wake_up(tags=["weights"])
-        self.engine.update_weights(state_dict)
-        self.policy_id = policy_id
-        out = None
-        if probe is not None:
-            self.engine.wake_up()
-            out = self._greedy(probe)
-        self.engine.sleep()
-        return out
-
-    def load_checkpoint(self, checkpoint: str, policy_id: str) -> None:
-        """Take the weights of ``checkpoint`` (the trainer group wrote it; pulled from the
-        shared store on a node without the run folder): the driver holds no copy to send."""
-        from cluster import storage
-
-        storage.pull(checkpoint)
-        self.engine.wake_up(tags=["weights"])
-        if self.engine_name == "hf":
-            from grpo_core.trainer_state import load_weights_
-
-            load_weights_(self.engine.model, checkpoint)  # in place, the model's own dtype
-        else:
-            from grpo_core.checkpoint import load_checkpoint
-
-            model, _ = load_checkpoint(checkpoint, device="cpu")
-            self.engine.update_weights(model.state_dict())
-            del model
-        self.policy_id = policy_id
-        self.engine.sleep()
-
-    def dtype(self) -> str:
-        """The dtype this replica samples in (hf: its model's; vllm: its option, or auto)."""
-        model = getattr(self.engine, "model", None)
-        if model is not None:
-            from grpo_core.checkpoint import dtype_name
-
-            return dtype_name(model)
-        return str(getattr(self.engine, "dtype", "auto"))
-
-    def _greedy(self, probe: list[int]) -> list[int]:
-        from grpo_core.engines import engine_probe
-
-        return engine_probe(self.engine, probe)
-
-    def current_policy(self) -> str:
-        return self.policy_id
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def actor_options(group: WorkerSettings) -> dict:
-    """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
-    driver's value when set, else 1 (a few replicas share a machine's cores), and the run's
-    shared store (cluster/storage.py)."""
-    from cluster import storage
-
-    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return {
-        "num_cpus": group.num_cpus,
-        "num_gpus": group.num_gpus,
-        "runtime_env": {"env_vars": {**threads, **storage.env()}},
-    }
-
-
 class RolloutGroup:
     """``workers`` replicas of one engine spec, kept for the life of the process."""
 
     def __init__(
         self,
         ray,
-        group: WorkerSettings,
+        group: RolloutSettings,
         *,
         engine: str,
         engine_options: Mapping | None,
@@ -195,6 +95,8 @@ class RolloutGroup:
         self.served: list[str] = []  # each generate call's ``desc`` (rollouts, evals, ...)
         self._dtype: str | None = None  # what the replicas sample in (asked once)
         self.inflight: list = []  # object refs of the call in progress (for tests and logs)
+        self.bus: tuple | None = None  # (members, key) of the weight bus (cluster/weight_sync.py)
+        self.weight_syncs: list[dict] = []  # how each new policy reached the replicas
         log.info("started %d %s rollout replicas on %s", group.workers, engine, checkpoint)
 
     def _start(self, checkpoint: str, policy_id: str):
@@ -205,15 +107,23 @@ class RolloutGroup:
     def sync(
         self, checkpoint: str, policy_id: str, model, tokenizer, *, check: bool = False
     ) -> None:
-        """Bring every replica to ``model``'s weights (``policy_id``): one ``ray.put`` of the
-        state dict, loaded by each replica that holds other weights; with ``check``, each
-        one's greedy probe completion must equal ``model``'s. A replica found dead is
-        started again from ``checkpoint`` (which holds those weights)."""
+        """Bring every replica to ``policy_id``'s weights. ``model`` None (the driver holds
+        no weights): trainer rank 0 broadcasts them (``cluster.rollout.weight_sync``,
+        cluster/weight_sync.py) or each replica reads ``checkpoint``. Else one
+        ``ray.put`` of ``model``'s state dict, loaded by each replica that holds other
+        weights; with ``check``, each one's greedy probe completion must equal ``model``'s.
+        A replica found dead is started again from ``checkpoint`` (which holds those
+        weights)."""
         stale = [i for i, pid in enumerate(self.synced) if pid != policy_id]
         if not stale:
             return
-        if model is None:  # the driver holds no weights: the replicas read the checkpoint
+        if model is None:  # the driver holds no weights: trainer rank 0 or the checkpoint
+            from cluster import weight_sync
+
+            if weight_sync.broadcast(self, checkpoint, policy_id):
+                return
             self._load_from(checkpoint, policy_id, stale)
+            self.weight_syncs.append({"how": "checkpoint", "policy_id": policy_id})
             return
         from grpo_core import lora
         from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
@@ -230,7 +140,7 @@ class RolloutGroup:
                 got = self._get(call, i, f"weight sync to policy {policy_id}", fatal=False)
             except _ReplicaDied as died:
                 log.warning("rollout replica %d died (%s); starting a fresh one", i, died)
-                self._replace(i, checkpoint, policy_id)
+                self.replace(i, checkpoint, policy_id)
                 got = None
                 if check:
                     call = self.actors[i].load_weights.remote(ref, policy_id, probe)
@@ -249,7 +159,7 @@ class RolloutGroup:
                 self._get(call, i, f"loading policy {policy_id} from {checkpoint}", fatal=False)
             except _ReplicaDied as died:
                 log.warning("rollout replica %d died (%s); starting a fresh one", i, died)
-                self._replace(i, checkpoint, policy_id)  # starts from that checkpoint
+                self.replace(i, checkpoint, policy_id)  # starts from that checkpoint
             self.synced[i] = policy_id
 
     def dtype(self) -> str:
@@ -295,14 +205,14 @@ class RolloutGroup:
                             died,
                             b - a,
                         )
-                        self._replace(k, checkpoint, policy_id)
+                        self.replace(k, checkpoint, policy_id)
                         call = self.actors[k].generate.remote(prompt_ids[a:b], shard_params[k])
                 out.extend(dataclasses.replace(s, prompt_index=s.prompt_index + a) for s in part)
         finally:
             self.inflight = []
         return out
 
-    def _replace(self, k: int, checkpoint: str, policy_id: str) -> None:
+    def replace(self, k: int, checkpoint: str, policy_id: str) -> None:
         with contextlib.suppress(Exception):  # already gone
             self.ray.kill(self.actors[k])
         self.actors[k] = self._start(checkpoint, policy_id)

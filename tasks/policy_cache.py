@@ -324,6 +324,16 @@ def relabel(checkpoint: str | Path, slot: str = "policy") -> None:
             warm.checkpoint = checkpoint
 
 
+def holding(pid: str):
+    """The model in memory whose weights are ``pid``, else None (a trainer rank sends it to
+    the rollout replicas: cluster/weight_bus.py)."""
+    w = warm()
+    return w.model if w is not None and w.policy_id == pid else None
+
+
+STATE.trained_policy = holding
+
+
 def clear() -> None:
     with _LOCK:
         _WARM.clear()

@@ -29,7 +29,7 @@ def _tiny_overrides() -> list[str]:
 REWARDS = ("accuracy", "format")  # the demo's reward functions
 RAY = [  # the ray_head fixture's 2 CPUs hold the three roles at once
     "cluster.backend=ray",
-    "cluster.rollout={workers: 2, num_cpus: 0.5}",
+    "cluster.rollout={workers: 2, num_cpus: 0.5, weight_sync: broadcast}",
     "cluster.trainer={workers: 2, num_cpus: 0.25}",
     "cluster.scoring={workers: 2, num_cpus: 0.25}",
 ]
@@ -62,6 +62,9 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
     assert policy_cache.STATS["loads"] == loads and policy_cache.warm() is None
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
+    # the RL update's policy reached the replicas from trainer rank 0 over the weight bus
+    hows = [s["how"] for s in group.weight_syncs]
+    assert hows.count("broadcast") >= 1 and "restart" not in hows, group.weight_syncs
     # the held-out evals sample on the replicas too (a driver without a GPU holds no engine)
     served = group.served
     # (the final evals reuse these: same weights, data and settings)

@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from cluster_support import scored_file
 from safetensors.torch import load_file
 
 from cluster.config import ClusterConfig, TrainerSettings
@@ -25,31 +26,6 @@ OVERRIDES = [
     "rl.learning_rate=1e-3",
 ]
 STEPS = 6  # optimizer steps per update: 3 micro-batches x num_iterations 2
-
-
-def _ddp_cases():
-    """tests/distributed/ddp_cases.py: the scored file the data-parallel tests train on."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).parents[1] / "distributed" / "ddp_cases.py"
-    spec = importlib.util.spec_from_file_location("_ddp_cases", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def scored_file(directory, groups: int = 3) -> str:
-    """``groups`` groups x 4 completions with rewards varying within each group, scored by
-    the score task in this process (the module's Ray setting is for the update)."""
-    from cluster import runtime
-
-    cfg = runtime.current()
-    runtime.configure(ClusterConfig())
-    try:
-        return _ddp_cases().scored_file(directory, groups)
-    finally:
-        runtime.configure(cfg)
 
 
 @pytest.fixture(scope="module")
