@@ -13,6 +13,7 @@ between GPUs gives.
 
     python benchmarks/bench_weight_sync.py                  # ~2 min on 2 cores
     python benchmarks/bench_weight_sync.py --layers 4 --hidden 256 --repeats 2
+    python benchmarks/bench_weight_sync.py --gpus --replicas 1   # 2 GPUs: NCCL
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ def _args() -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=int, default=256)
     p.add_argument("--ray-cpus", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--gpus",
+        action="store_true",
+        help="one GPU per trainer rank and per replica (the bus is then NCCL)",
+    )
     return p.parse_args()
 
 
@@ -43,7 +49,7 @@ def _save_model(folder: Path, a) -> Path:
 
     return save_base_model(folder / "policy", seed=0, hidden_size=a.hidden,
                            num_hidden_layers=a.layers, intermediate_size=a.intermediate,
-                           num_attention_heads=9)  # fmt: skip
+                           num_attention_heads=max(1, a.hidden // 64))  # fmt: skip
 
 
 def _warm_on_rank(data_parallel, *, checkpoint: str) -> str:
@@ -94,9 +100,10 @@ def main() -> None:
         backend="ray",
         num_cpus=a.ray_cpus,
         rollout={"workers": a.replicas, "num_cpus": a.ray_cpus / (2 * a.replicas),
-                 "weight_sync_bucket_mb": a.bucket_mb},
+                 "num_gpus": int(a.gpus), "weight_sync_bucket_mb": a.bucket_mb},
         trainer={"workers": a.trainers, "num_cpus": a.ray_cpus / (2 * a.trainers),
-                 "strategy": a.strategy},
+                 "num_gpus": int(a.gpus), "strategy": a.strategy,
+                 "dist_backend": "nccl" if a.gpus else "gloo"},
         scoring={"workers": 1, "num_cpus": 0},
     )  # fmt: skip
     rows = []
@@ -110,8 +117,9 @@ def main() -> None:
             rollout_workers.close_all()
             release()
             runtime.shutdown()
-    print(f"\nweight sync to {a.replicas} hf replica(s) from {a.trainers} {a.strategy} rank(s), "
-          f"median of {a.repeats}, bucket {a.bucket_mb} MiB")  # fmt: skip
+    where = "GPUs, nccl" if a.gpus else "CPU, gloo"
+    print(f"\nweight sync to {a.replicas} hf replica(s) from {a.trainers} {a.strategy} rank(s) "
+          f"({where}), median of {a.repeats}, bucket {a.bucket_mb} MiB")  # fmt: skip
     print(f"| {'road':<10} | {'MiB':>7} | {'seconds':>7} | {'MiB/s':>7} |")
     print(f"|{'-' * 12}|{'-' * 9}|{'-' * 9}|{'-' * 9}|")
     for r in rows:

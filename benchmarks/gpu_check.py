@@ -15,6 +15,10 @@ from PyPI, generated GSM8K-style problems; 10 SFT steps, 2 + 1 RL iterations of 
 - ``fsdp-2gpu`` (2 GPUs or more, else skipped with a line): ``torchrun --nproc-per-node 2 -m
   flows.ddp_update --strategy fsdp`` on the first leg's last scored file, nccl, gradient
   checkpointing on, AdamW as CUDA runs it (multi-tensor);
+- ``ray-bus-2gpu`` (2 GPUs or more, else skipped with a line): ``benchmarks/bench_weight_sync.py
+  --gpus``: a trainer rank and an hf replica on a GPU each, the policy (120 M parameters)
+  broadcast over NCCL against the replica reading the checkpoint; the replica's weights must
+  hash to the trainer's policy_id;
 - ``cuda-tests``: ``pytest tests/gpu`` (optimizer offload moves and restores the moments).
 
 The table: leg, exit status, wall seconds, and from each RL stage's MLflow run the peak
@@ -138,6 +142,19 @@ def fsdp_leg(out: Path, model: Path, timeout: int) -> list[dict]:
     return [row]
 
 
+def bus_leg(out: Path, timeout: int) -> list[dict]:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        n = torch.cuda.device_count()
+        return [{"leg": "ray-bus-2gpu", "stage": f"skipped: {n} GPU(s), needs 2", "rc": None}]
+    cmd = [sys.executable, "benchmarks/bench_weight_sync.py", "--gpus", "--replicas", "1",
+           "--ray-cpus", "4"]  # fmt: skip
+    rc, wall = _run(cmd, out / "ray-bus-2gpu.log", timeout)
+    return [{"leg": "ray-bus-2gpu", "stage": "weight sync (table in its log)", "rc": rc,
+             "wall_s": wall}]  # fmt: skip
+
+
 def table(rows: list[dict]) -> str:
     head = "| leg | stage | exit | wall s | peak GiB | rollout tok/s | update s/iter |"
     lines = [head, "|---|---|---|---|---|---|---|"]
@@ -155,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--model", help="a save_pretrained dir (default: $OUT/models/smollm2)")
     ap.add_argument("--data", help="a save_to_disk dataset dir (default: generated)")
-    ap.add_argument("--legs", nargs="*", default=[*LEGS, "fsdp-2gpu", "cuda-tests"])
+    ap.add_argument("--legs", nargs="*", default=[*LEGS, "fsdp-2gpu", "ray-bus-2gpu", "cuda-tests"])
     ap.add_argument("--timeout", type=int, default=240, help="seconds per leg")
     ap.add_argument("--plan", action="store_true", help="print the legs' settings and exit")
     args = ap.parse_args(argv)
@@ -174,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += grpo_leg(leg, out, model, data, args.timeout)
         elif leg == "fsdp-2gpu":
             rows += fsdp_leg(out, model, args.timeout)
+        elif leg == "ray-bus-2gpu":
+            rows += bus_leg(out, args.timeout)
         elif leg == "cuda-tests":
             cmd = [sys.executable, "-m", "pytest", "-q", "tests/gpu"]
             rc, wall = _run(cmd, out / "cuda-tests.log", args.timeout)
