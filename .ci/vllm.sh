@@ -22,7 +22,7 @@ PY="$VENV/bin/python"
 # grpo_core's own needs for the engine tests (the full extra would also bring prefect and
 # mlflow, which the engines never import)
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -m pip install -q --no-warn-conflicts "pyarrow>=15" "pytest>=8"
+"$PY" -m pip install -q --no-warn-conflicts "pyarrow>=15" "pytest>=8" "peft>=0.13"
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 echo "vllm env ready in $(( $(date +%s) - start ))s"
 

@@ -12,6 +12,8 @@ from PyPI, generated GSM8K-style problems; 10 SFT steps, 2 + 1 RL iterations of 
 - ``vllm-bf16-sleep``: the preset as shipped (bf16 vLLM colocated, sleep mode, the engine
   importance-sampling correction on by ``auto``) plus ``rollout.vllm.offload_optimizer``;
 - ``lora-vllm``: ``model.lora`` (r 16) with bf16 vLLM (merged weights synced);
+- ``lora-vllm-adapter``: the same with ``rollout.vllm.lora_sync: adapter`` (vLLM on the base,
+  each policy's adapter as a LoRA request);
 - ``fsdp-2gpu`` (2 GPUs or more, else skipped with a line): ``torchrun --nproc-per-node 2 -m
   flows.ddp_update --strategy fsdp`` on the first leg's last scored file, nccl, gradient
   checkpointing on, AdamW as CUDA runs it (multi-tensor);
@@ -55,6 +57,10 @@ LEGS = {
     ],
     "vllm-bf16-sleep": ["rollout.vllm.offload_optimizer=true"],
     "lora-vllm": ["model.lora={r: 16, alpha: 32}", "rl.learning_rate=1.0e-5"],
+    "lora-vllm-adapter": [
+        "model.lora={r: 16, alpha: 32}", "rl.learning_rate=1.0e-5",
+        "rollout.vllm.lora_sync=adapter",
+    ],
 }  # fmt: skip
 
 

@@ -40,6 +40,15 @@ class Policy(Protocol):
     tokenizer: Any
 
 
+def engine_options(options: Mapping | None, model) -> dict:
+    """A rollout engine's options for a run loading policies with ``model`` (its ``model``
+    section): ``lora_sync: adapter`` with ``model.lora`` gains the adapters' ``lora_rank``."""
+    out = dict(options or {})
+    if out.get("lora_sync") == "adapter" and model.lora is not None:
+        out["lora_rank"] = model.lora.r
+    return out
+
+
 class Local:
     """Everything in this process."""
 
@@ -59,7 +68,11 @@ class Local:
         return dtype_name(policy.model)
 
     def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
-        """This process's engine ``name`` holding ``policy``'s weights (kept across calls)."""
+        """This process's engine ``name`` holding ``policy``'s weights (kept across calls);
+        with ``lora_sync: adapter`` and ``model.lora``, one taking adapters of that rank."""
+        from cluster.process import STATE
+
+        options = engine_options(options, STATE.model)
         return self.engines.get(
             name,
             checkpoint=policy.checkpoint,

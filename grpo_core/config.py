@@ -88,6 +88,12 @@ class VLLMConfig(Section):
         description="colocated on the trainer's GPU: AdamW's state goes to CPU memory while "
         "vLLM generates and back before the update (grpo_core/offload.py)",
     )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="with model.lora: merged sends the merged weights at every sync; adapter "
+        "starts vLLM on the adapter's base with LoRA enabled and hands it the adapter alone "
+        "(a LoRA request per policy), as verl does",
+    )
 
 
 # padded tokens per generation micro-batch (hf engine): the demo's largest batch (rejection

