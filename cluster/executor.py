@@ -40,7 +40,7 @@ class Policy(Protocol):
     tokenizer: Any
 
 
-def engine_options(options: Mapping | None, model) -> dict:
+def with_lora_rank(options: Mapping | None, model) -> dict:
     """A rollout engine's options for a run loading policies with ``model`` (its ``model``
     section): ``lora_sync: adapter`` with ``model.lora`` gains the adapters' ``lora_rank``."""
     out = dict(options or {})
@@ -72,7 +72,7 @@ class Local:
         with ``lora_sync: adapter`` and ``model.lora``, one taking adapters of that rank."""
         from cluster.process import STATE
 
-        options = engine_options(options, STATE.model)
+        options = with_lora_rank(options, STATE.model)
         return self.engines.get(
             name,
             checkpoint=policy.checkpoint,
@@ -154,6 +154,7 @@ class OnRay(Local):
         """On the replicas; ``policy.model`` None (``tasks/policy_files.py``): they load the
         weights from ``policy.checkpoint`` themselves."""
         from cluster import rollout_workers
+        from cluster.process import STATE
 
         return rollout_workers.sample(
             self.cfg,
@@ -165,7 +166,7 @@ class OnRay(Local):
             config=policy.config,
             tokenizer=policy.tokenizer,
             engine=engine,
-            engine_options=engine_options,
+            engine_options=with_lora_rank(engine_options, STATE.model),
             load_options=load_options,
             check_sync=check_sync,
             desc=desc,

@@ -4,7 +4,8 @@ It starts from a checkpoint and takes later policies three ways: the driver's we
 Ray's object store (:meth:`Replica.load_weights`, when the driver holds the model: the sync
 probe), a checkpoint the trainer group wrote (:meth:`Replica.load_checkpoint`), or trainer
 rank 0's broadcast on the weight bus (:meth:`Replica.receive_weights`,
-cluster/weight_bus.py). Ray is never imported here: cluster/rollout_workers.py makes the
+cluster/weight_bus.py). A vLLM replica with ``lora_sync: adapter`` starts on the LoRA base and
+takes each checkpoint's ``adapter/`` folder as a LoRA request instead. Ray is never imported here: cluster/rollout_workers.py makes the
 actors."""
 
 from __future__ import annotations
@@ -37,15 +38,34 @@ class Replica:
         storage.pull(checkpoint)  # a node without the run folder: from the shared store
         self.engine_name = engine
         opts = dict(engine_options or {})
+        self.base_id: str | None = None  # adapter sync: the policy id of the engine's base
         if engine == "hf":
             from grpo_core.checkpoint import load_checkpoint
 
             model, tokenizer = load_checkpoint(checkpoint, **dict(load_options or {}))
             model.eval()
             self.engine = get_engine("hf", model=model, tokenizer=tokenizer, **opts)
+        elif takes_adapters(opts):
+            self._start_on_base(engine, checkpoint, policy_id, tokenizer, opts)
         else:
             self.engine = get_engine(engine, checkpoint=checkpoint, tokenizer=tokenizer, **opts)
         self.policy_id = policy_id
+
+    def _start_on_base(self, engine, checkpoint: str, policy_id: str, tokenizer, opts) -> None:
+        """``lora_sync: adapter``: the engine starts on the base of ``checkpoint``'s adapter
+        (``checkpoint`` itself when it has none) and takes the adapter as a LoRA request."""
+        from pathlib import Path
+
+        from cluster import storage
+        from grpo_core import lora
+        from grpo_core.engines import get_engine
+
+        saved = lora.saved_base(checkpoint)
+        base, self.base_id = saved if saved else (checkpoint, policy_id)
+        storage.pull(base)
+        self.engine = get_engine(engine, checkpoint=base, tokenizer=tokenizer, **opts)
+        if saved:
+            self.engine.use_adapter(Path(checkpoint) / lora.ADAPTER_DIR)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
         self.engine.wake_up()
@@ -66,12 +86,15 @@ class Replica:
         self.engine.sleep()
         return out
 
-    def load_checkpoint(self, checkpoint: str, policy_id: str) -> None:
+    def load_checkpoint(self, checkpoint: str, policy_id: str) -> bool:
         """Take the weights of ``checkpoint`` (the trainer group wrote it; pulled from the
-        shared store on a node without the run folder): the driver holds no copy to send."""
+        shared store on a node without the run folder): the driver holds no copy to send.
+        With adapter sync, its adapter (:meth:`_take_adapter`); False: start me again."""
         from cluster import storage
 
         storage.pull(checkpoint)
+        if self.base_id is not None:
+            return self._take_adapter(checkpoint, policy_id)
         self.engine.wake_up(tags=["weights"])
         if self.engine_name == "hf":
             from grpo_core.trainer_state import load_weights_
@@ -85,6 +108,37 @@ class Replica:
             del model
         self.policy_id = policy_id
         self.engine.sleep()
+        return True
+
+    def _take_adapter(self, checkpoint: str, policy_id: str) -> bool:
+        """``lora_sync: adapter``: ``checkpoint``'s adapter when it sits on this engine's
+        base, the base alone when ``checkpoint`` is the base; False for another base (the
+        caller starts this replica again from ``checkpoint``)."""
+        from pathlib import Path
+
+        from grpo_core import lora
+
+        saved = lora.saved_base(checkpoint)
+        if saved is not None and saved[1] == self.base_id:
+            self.engine.use_adapter(Path(checkpoint) / lora.ADAPTER_DIR)
+        elif saved is None and policy_id == self.base_id:
+            self.engine.lora_request = None
+        else:
+            return False
+        self.policy_id = policy_id
+        return True
+
+    def adapter(self) -> str | None:
+        """The folder of the LoRA adapter requests carry now (None: the weights alone)."""
+        request = getattr(self.engine, "lora_request", None)
+        return None if request is None else request.lora_path
+
+    def probe(self, probe: list[int]) -> list[int]:
+        """The greedy completion of ``probe`` with the weights (and adapter) held now."""
+        self.engine.wake_up()
+        out = self._greedy(probe)
+        self.engine.sleep()
+        return out
 
     def join_bus(self, key: str, addr: str, port: int, rank: int, world: int, backend: str):
         """Become member ``rank`` of the weight bus ``key`` (cluster/weight_bus.py)."""
@@ -150,6 +204,13 @@ class Replica:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def takes_adapters(engine_options: Mapping | None) -> bool:
+    """Whether a replica of these engine options takes LoRA adapters instead of weights
+    (``lora_sync: adapter``, with the run's ``lora_rank``: cluster/executor.py)."""
+    opts = engine_options or {}
+    return opts.get("lora_sync") == "adapter" and bool(opts.get("lora_rank"))
 
 
 def actor_options(group: WorkerSettings) -> dict:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from cluster import resources
 from cluster.config import ClusterConfig, RolloutSettings
-from cluster.replica import Replica, actor_options
+from cluster.replica import Replica, actor_options, takes_adapters
 
 if TYPE_CHECKING:
     from grpo_core.generation import Sample, SamplingParams
@@ -117,13 +117,17 @@ class RolloutGroup:
         stale = [i for i, pid in enumerate(self.synced) if pid != policy_id]
         if not stale:
             return
-        if model is None:  # the driver holds no weights: trainer rank 0 or the checkpoint
+        adapters = takes_adapters(self._init[1])  # LoRA: the checkpoint's adapter/ folder
+        if model is None or adapters:  # the driver sends no weights
             from cluster import weight_sync
 
-            if weight_sync.broadcast(self, checkpoint, policy_id):
+            if not adapters and weight_sync.broadcast(self, checkpoint, policy_id):
                 return
             self._load_from(checkpoint, policy_id, stale)
-            self.weight_syncs.append({"how": "checkpoint", "policy_id": policy_id})
+            how = "adapter" if adapters else "checkpoint"
+            self.weight_syncs.append({"how": how, "policy_id": policy_id})
+            if check and model is not None:
+                self._check_probe(model, tokenizer, policy_id)
             return
         from grpo_core import lora
         from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
@@ -155,12 +159,30 @@ class RolloutGroup:
     def _load_from(self, checkpoint: str, policy_id: str, stale: list[int]) -> None:
         calls = {i: self.actors[i].load_checkpoint.remote(checkpoint, policy_id) for i in stale}
         for i, call in calls.items():
+            what = f"loading policy {policy_id} from {checkpoint}"
             try:
-                self._get(call, i, f"loading policy {policy_id} from {checkpoint}", fatal=False)
+                if not self._get(call, i, what, fatal=False):  # an adapter on another base
+                    log.info("rollout replica %d: %s sits on another base; restarting it", i,
+                             checkpoint)  # fmt: skip
+                    self.replace(i, checkpoint, policy_id)
             except _ReplicaDied as died:
                 log.warning("rollout replica %d died (%s); starting a fresh one", i, died)
                 self.replace(i, checkpoint, policy_id)  # starts from that checkpoint
             self.synced[i] = policy_id
+
+    def _check_probe(self, model, tokenizer, policy_id: str) -> None:
+        """Each replica's greedy probe completion must equal ``model``'s."""
+        from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
+
+        probe = default_probe(tokenizer)
+        expected = trainer_probe(model, tokenizer, probe)
+        for i, actor in enumerate(self.actors):
+            got = self._get(actor.probe.remote(probe), i, f"probing policy {policy_id}")
+            if got != expected:
+                raise WeightSyncError(
+                    f"rollout replica {i} ({self.engine} engine) after weight sync to policy "
+                    f"{policy_id}: greedy probe gave {got}, the trainer's model {expected}"
+                )
 
     def dtype(self) -> str:
         if self._dtype is None:

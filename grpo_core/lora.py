@@ -154,6 +154,20 @@ def base_checkpoint(model) -> str:
     return str(path)
 
 
+def saved_base(checkpoint: str | Path) -> tuple[str, str] | None:
+    """The base a LoRA checkpoint's adapter sits on, as its ``checkpoint_info.json`` records
+    it: ``(lora_base, lora_base_policy_id)``; None for a checkpoint without an adapter."""
+    import json
+
+    try:
+        info = json.loads((Path(checkpoint) / "checkpoint_info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if "lora_base" not in info or not (Path(checkpoint) / ADAPTER_DIR).is_dir():
+        return None
+    return str(info["lora_base"]), str(info["lora_base_policy_id"])
+
+
 def rank(model) -> int:
     """The adapter's rank ``r``."""
     return int(model.peft_config["default"].r)

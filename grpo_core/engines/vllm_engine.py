@@ -156,6 +156,7 @@ class VLLMEngine:
         self.takes_adapters = bool(getattr(llm, "llm_engine", None) and _lora_on(llm))
         self.lora_request = None  # the adapter every request carries (lora_sync: adapter)
         self._adapters: list[Path] = []  # saved adapter folders, the newest last
+        self._lora_ids = 0  # the last adapter id handed out
 
     @classmethod
     def create(
@@ -253,16 +254,26 @@ class VLLMEngine:
         saved to a folder of the engine's, then named by every later request."""
         from grpo_core import lora
 
+        if not self._adapters:
+            self._dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-lora-"))
+        folder = self._dir / f"policy-{self._lora_ids + 1}"
+        lora.save_adapter(model, folder)
+        self._adapters.append(folder)
+        self.use_adapter(folder)
+
+    def use_adapter(self, folder: str | Path) -> None:
+        """Name the adapter saved in ``folder`` (``adapter_config.json``, weights) in every
+        later request: a new ``LoRARequest``, loaded by vLLM at its first use."""
         if not self.takes_adapters:
             raise ValueError("vllm engine: started without LoRA (lora_rank); cannot take adapters")
         vllm_lora = __import__("vllm.lora.request", fromlist=["LoRARequest"])
-        n = (self.lora_request.lora_int_id + 1) if self.lora_request is not None else 1
-        if not self._adapters:
-            self._dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-lora-"))
-        folder = self._dir / f"policy-{n}"
-        lora.save_adapter(model, folder)
-        self._adapters.append(folder)
+        n = self._next_adapter_id()
         self.lora_request = vllm_lora.LoRARequest(f"policy-{n}", n, str(folder))
+
+    def _next_adapter_id(self) -> int:
+        """A new id for every adapter (vLLM caches an adapter by its id)."""
+        self._lora_ids += 1
+        return self._lora_ids
 
     def _drop_old_adapters(self) -> None:
         """Remove the folders of adapters older than the one in use (loaded by now)."""

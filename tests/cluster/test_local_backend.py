@@ -32,11 +32,11 @@ def test_the_local_backend_never_imports_ray(tiny_checkpoint, tmp_path):
 
 
 def test_adapter_sync_engines_get_the_runs_lora_rank():
-    from cluster.executor import engine_options
+    from cluster.executor import with_lora_rank
     from grpo_core.config import ModelConfig
 
     lora = ModelConfig(lora={"r": 16, "alpha": 32})
-    assert engine_options({"lora_sync": "adapter"}, lora)["lora_rank"] == 16
-    assert "lora_rank" not in engine_options({"lora_sync": "merged"}, lora)
-    assert "lora_rank" not in engine_options({"lora_sync": "adapter"}, ModelConfig())
-    assert engine_options(None, lora) == {}
+    assert with_lora_rank({"lora_sync": "adapter"}, lora)["lora_rank"] == 16
+    assert "lora_rank" not in with_lora_rank({"lora_sync": "merged"}, lora)
+    assert "lora_rank" not in with_lora_rank({"lora_sync": "adapter"}, ModelConfig())
+    assert with_lora_rank(None, lora) == {}
