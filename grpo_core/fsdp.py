@@ -4,10 +4,14 @@ parameters, gradients and AdamW state; N ranks still make the update of one proc
 
 What differs from :class:`~grpo_core.distributed.DataParallel` (replicas):
 
-- every decoder layer is its own FSDP2 unit (``model._no_split_modules``, Hugging Face's
-  list of the layer classes); the embeddings, final norm and LM head stay replicated and are
-  summed as ``DataParallel`` sums gradients. The chunked LM head (grpo_core/model_logprobs.py)
-  then reads the head's weight as in one process;
+- every decoder layer is an FSDP2 unit (``model._no_split_modules``, Hugging Face's list of
+  the layer classes), and the model is the root unit that holds the rest (embeddings, final
+  norm, LM head; tied weights stay one parameter): every parameter is sharded, and the
+  layers' all-gathers overlap the compute of the one before as the root schedules them
+  (torch's implicit prefetch). The chunked LM head (grpo_core/model_logprobs.py) runs the
+  decoder and the head outside the model's forward, so it is bound to the model and
+  registered as one of its forwards (``register_fsdp_forward_method``): the root's
+  parameters are gathered around it and its gradients reduce-scattered after backward;
 - a sharded layer all-gathers its parameters in every forward and reduce-scatters its
   gradients in every backward, so every rank must run as many forwards (and backwards) as
   the others, in the same order: the ranks agree on the number of forwards of the old
@@ -16,8 +20,8 @@ What differs from :class:`~grpo_core.distributed.DataParallel` (replicas):
   (:meth:`ShardedDataParallel.pad_to`);
 - the reduce-scatter sums (gradient divide factor 1) instead of averaging: each rank's loss
   is already its share of the global micro-batch's loss (global-batch normalisers);
-- gradient clipping: the global norm over the shards (all-reduced) and the replicated
-  parameters (counted once).
+- gradient clipping: the global norm over the shards (all-reduced; parameters left
+  replicated, if any, counted once).
 
 Tested on CPU with gloo and 2 processes (tests/distributed/test_fsdp_parity.py): the weights
 after an update equal the one-process weights within fp32 tolerance for every ``loss_type``.
@@ -27,6 +31,7 @@ Not run here: GPUs and nccl, mixed-precision policies, a sharded reference model
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -88,20 +93,23 @@ class ShardedDataParallel(DataParallel):
         """Shard ``model``'s decoder layers in place over this group (call on every rank,
         with equal weights: after :meth:`broadcast_parameters`)."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        from grpo_core.model_logprobs import chunked_head_reason
+        from grpo_core.model_logprobs import HEAD_METHOD, chunked_head_reason, head_logprobs
 
+        chunked_head_reason(model)  # probed whole (equal weights on every rank), then cached
         mesh = DeviceMesh.from_group(self.group or dist.group.WORLD, self.device.type)
-        layers = decoder_layers(model)
-        for layer in layers:
-            fully_shard(layer, mesh=mesh, reshard_after_forward=True, **self._mp())  # a root each
-            layer.set_gradient_divide_factor(1.0)  # sum: the losses are global shares
-            layer.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-        # one forward of the decoder is one sharded forward of every layer; a hook on a layer
+        for unit in [*decoder_layers(model), model]:  # the layers, then the root: the rest
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, **self._mp())
+            unit.set_gradient_divide_factor(1.0)  # sum: the losses are global shares
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+        # the chunked LM head reads the decoder and the head outside the model's forward:
+        # bound as a forward of the root, it runs with the root's parameters gathered
+        setattr(model, HEAD_METHOD, types.MethodType(head_logprobs, model))
+        register_fsdp_forward_method(model, HEAD_METHOD)
+        # one forward of the decoder is one sharded forward of every unit; a hook on a layer
         # would also count its recomputation in backward (gradient checkpointing)
         self._hooked = [model.get_decoder().register_forward_pre_hook(self._count)]
-        chunked_head_reason(model)  # its probe's forwards, on every rank at once
         self.forwards = 0
 
     def _mp(self) -> dict:
@@ -137,10 +145,10 @@ class ShardedDataParallel(DataParallel):
         device = next(model.parameters()).device
         ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         for _ in range(missing):
-            with torch.set_grad_enabled(grad):
-                out = model.get_decoder()(input_ids=ids, attention_mask=torch.ones_like(ids))
+            with torch.set_grad_enabled(grad):  # the root's forward: every unit takes part
+                out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
                 if grad:
-                    (out.last_hidden_state.sum() * 0.0).backward()
+                    (out.logits.sum() * 0.0).backward()
         self.forwards = 0
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
@@ -188,9 +196,12 @@ class ShardedDataParallel(DataParallel):
             get_model_state_dict,
         )
 
+        from grpo_core.weights_id import drop_tied_copies
+
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         state = get_model_state_dict(model, options=opts)
-        return {k: v.cpu() for k, v in state.items()}
+        # gathered copies: tied weights (one sharded parameter) come back as two tensors
+        return drop_tied_copies(model, {k: v.cpu() for k, v in state.items()})
 
     def full_optimizer_state(self, model, optimizer) -> dict:
         """The optimizer's state unsharded, keyed by parameter name, on rank 0's CPU (empty on

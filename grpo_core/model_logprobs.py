@@ -16,6 +16,7 @@ finds the model's logits differ from the head applied to the decoder's output.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import weakref
@@ -90,6 +91,33 @@ def chunked_head_reason(model) -> str | None:
     return reason
 
 
+HEAD_METHOD = "grpo_head_logprobs"  # the name :func:`head_logprobs` is bound under by FSDP
+
+
+def head_logprobs(
+    model, kw: dict, labels: Tensor, *, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """The chunked path of :func:`model_logprobs`: the decoder's hidden states of the
+    labelled positions through the LM head in chunks (``kw``: the decoder's inputs)."""
+    n, L = labels.shape
+    valid = labels >= 0
+    head = model.get_output_embeddings()
+    hidden = model.get_decoder()(**kw).last_hidden_state  # [n, L, H]
+    flat = valid.reshape(-1).nonzero().squeeze(-1)  # [M] labelled positions
+    lp, ent = linear_token_logprobs(
+        hidden.reshape(n * L, -1)[flat],
+        head.weight,
+        labels.reshape(-1)[flat],
+        bias=head.bias,
+        temperature=temperature,
+        with_entropy=with_entropy,
+    )  # [M] each
+    zeros = torch.zeros(n * L, dtype=lp.dtype, device=lp.device)
+    logp = zeros.index_put((flat,), lp).view(n, L)
+    entropy = None if ent is None else zeros.index_put((flat,), ent).view(n, L)
+    return logp, entropy
+
+
 def _accepts_logits_to_keep(model) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(base.forward).parameters
@@ -121,21 +149,9 @@ def model_logprobs(
     if position_ids is not None:
         kw["position_ids"] = position_ids
     if lm_head == "chunked" and chunked_head_reason(model) is None:
-        head = model.get_output_embeddings()
-        hidden = model.get_decoder()(**kw).last_hidden_state  # [n, L, H]
-        flat = valid.reshape(-1).nonzero().squeeze(-1)  # [M] labelled positions
-        lp, ent = linear_token_logprobs(
-            hidden.reshape(n * L, -1)[flat],
-            head.weight,
-            labels.reshape(-1)[flat],
-            bias=head.bias,
-            temperature=temperature,
-            with_entropy=with_entropy,
-        )  # [M] each
-        zeros = torch.zeros(n * L, dtype=lp.dtype, device=lp.device)
-        logp = zeros.index_put((flat,), lp).view(n, L)
-        entropy = None if ent is None else zeros.index_put((flat,), ent).view(n, L)
-        return logp, entropy
+        # a model sharded whole by FSDP2 runs it as one of its forwards (grpo_core/fsdp.py)
+        run = getattr(model, HEAD_METHOD, None) or functools.partial(head_logprobs, model)
+        return run(kw, labels, temperature=temperature, with_entropy=with_entropy)
     cols = valid.any(0).nonzero()
     first = int(cols[0]) if len(cols) else L - 1
     keep = L - first  # the logits of positions first..L-1

@@ -44,6 +44,33 @@ def _entry(h, name: str, code: str, shape) -> None:
     h.update(f"{name}\0{code}\0{list(shape)}\n".encode())
 
 
+def drop_tied_copies(model, state: dict) -> dict:
+    """``state`` without the tied copies ``save_pretrained`` leaves out: a key of the model's
+    ``_tied_weights_keys`` that is the same parameter of ``model`` as its source (or, where a
+    name is no parameter of it, whose tensor in ``state`` shares its source's storage).
+    ``state`` may hold copies (a gathered state dict): the model decides."""
+    tied = getattr(model, "_tied_weights_keys", None) or {}
+    if isinstance(tied, dict):
+        pairs = tied.items()
+    else:  # older transformers: a list of tied names, their source the input embeddings
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        src = next((k for k, v in state.items() if emb is not None and v is emb.weight), None)
+        src = src or next((k for k, v in model.named_parameters() if emb is not None
+                           and v is emb.weight), None)  # fmt: skip
+        pairs = [(k, src) for k in tied] if src else []
+    for target, source in pairs:
+        if target in state and source in state and _tied(model, state, target, source):
+            del state[target]
+    return state
+
+
+def _tied(model, state: dict, target: str, source: str) -> bool:
+    try:
+        return model.get_parameter(target) is model.get_parameter(source)
+    except AttributeError:  # not parameters of this model (e.g. merged LoRA names)
+        return state[target].data_ptr() == state[source].data_ptr()
+
+
 def savable_state_dict(model) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of ``model`` holds (detached, where they live): the merged
     weights of a LoRA model (grpo_core/lora.py), else the state dict without the tied
@@ -56,17 +83,7 @@ def savable_state_dict(model) -> dict[str, torch.Tensor]:
         model = model.get_base_model()
     else:
         state = {k: v.detach() for k, v in model.state_dict().items()}
-    tied = getattr(model, "_tied_weights_keys", None) or {}
-    if isinstance(tied, dict):
-        pairs = tied.items()
-    else:  # older transformers: a list of tied names, their source the input embeddings
-        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        src = next((k for k, v in state.items() if emb is not None and v is emb.weight), None)
-        pairs = [(k, src) for k in tied] if src else []
-    for target, source in pairs:
-        t, s = state.get(target), state.get(source)
-        if t is not None and s is not None and t.data_ptr() == s.data_ptr():
-            del state[target]
+    drop_tied_copies(model, state)
     return state
 
 

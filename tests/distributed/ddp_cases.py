@@ -231,10 +231,15 @@ def gather_memory(data_parallel, checkpoint: str, out_dir: str) -> None:
     state, weights = dp.checkpoint_state(model, train)
     rose = (_rss_kib("VmHWM") - before) * 1024
     moments = state["optimizer"].get("state", {})  # rank != 0: {}
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
     out = {
         "rose": rose,
         "weights": sum(v.numel() * v.element_size() for v in weights.values()),
         "moments": len(moments),
+        "plain": sorted(k for k, p in params.items() if not isinstance(p, DTensor)),
+        "local": sum(p.to_local().numel() * p.element_size() for p in params.values()),
     }
     torch.save(out, f"{out_dir}/gather{dp.rank}.pt")
 
