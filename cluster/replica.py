@@ -4,9 +4,9 @@ It starts from a checkpoint and takes later policies three ways: the driver's we
 Ray's object store (:meth:`Replica.load_weights`, when the driver holds the model: the sync
 probe), a checkpoint the trainer group wrote (:meth:`Replica.load_checkpoint`), or trainer
 rank 0's broadcast on the weight bus (:meth:`Replica.receive_weights`,
-cluster/weight_bus.py). A vLLM replica with ``lora_sync: adapter`` starts on the LoRA base and
-takes each checkpoint's ``adapter/`` folder as a LoRA request instead. Ray is never imported here: cluster/rollout_workers.py makes the
-actors."""
+cluster/weight_bus.py). A vLLM replica with ``lora_sync: adapter`` starts on the LoRA base
+and takes each checkpoint's ``adapter/`` folder as a LoRA request instead. Ray is never
+imported here: cluster/rollout_workers.py makes the actors."""
 
 from __future__ import annotations
 
