@@ -196,12 +196,12 @@ class ShardedDataParallel(DataParallel):
             get_model_state_dict,
         )
 
-        from grpo_core.weights_id import drop_tied_copies
+        from grpo_core.weights_id import retie
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
         state = get_model_state_dict(model, options=opts)
         # gathered copies: tied weights (one sharded parameter) come back as two tensors
-        return drop_tied_copies(model, {k: v.cpu() for k, v in state.items()})
+        return retie(model, {k: v.cpu() for k, v in state.items()})
 
     def full_optimizer_state(self, model, optimizer) -> dict:
         """The optimizer's state unsharded, keyed by parameter name, on rank 0's CPU (empty on

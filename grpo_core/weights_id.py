@@ -44,11 +44,11 @@ def _entry(h, name: str, code: str, shape) -> None:
     h.update(f"{name}\0{code}\0{list(shape)}\n".encode())
 
 
-def drop_tied_copies(model, state: dict) -> dict:
-    """``state`` without the tied copies ``save_pretrained`` leaves out: a key of the model's
-    ``_tied_weights_keys`` that is the same parameter of ``model`` as its source (or, where a
-    name is no parameter of it, whose tensor in ``state`` shares its source's storage).
-    ``state`` may hold copies (a gathered state dict): the model decides."""
+def tied_copies(model, state: dict) -> list[tuple[str, str]]:
+    """The ``(target, source)`` pairs of the model's ``_tied_weights_keys`` found in
+    ``state`` whose target is the same parameter of ``model`` as its source (or, where a name
+    is no parameter of it, whose tensor in ``state`` shares its source's storage). ``state``
+    may hold copies (a gathered state dict): the model decides."""
     tied = getattr(model, "_tied_weights_keys", None) or {}
     if isinstance(tied, dict):
         pairs = tied.items()
@@ -58,9 +58,14 @@ def drop_tied_copies(model, state: dict) -> dict:
         src = src or next((k for k, v in model.named_parameters() if emb is not None
                            and v is emb.weight), None)  # fmt: skip
         pairs = [(k, src) for k in tied] if src else []
-    for target, source in pairs:
-        if target in state and source in state and _tied(model, state, target, source):
-            del state[target]
+    return [(t, s) for t, s in pairs if t in state and s in state and _tied(model, state, t, s)]
+
+
+def retie(model, state: dict) -> dict:
+    """``state`` (gathered copies) with each tied copy the very tensor of its source, as in
+    the model's own state dict: ``save_pretrained`` then writes it once."""
+    for target, source in tied_copies(model, state):
+        state[target] = state[source]
     return state
 
 
@@ -83,7 +88,8 @@ def savable_state_dict(model) -> dict[str, torch.Tensor]:
         model = model.get_base_model()
     else:
         state = {k: v.detach() for k, v in model.state_dict().items()}
-    drop_tied_copies(model, state)
+    for target, _ in tied_copies(model, state):
+        del state[target]
     return state
 
 
