@@ -27,6 +27,24 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
+def tiny_llama():
+    """A builder of randomly initialised 2-layer Llamas, 16 wide (seed 0): ``build(tie=False,
+    vocab_size=64, **config)``."""
+
+    def build(tie: bool = False, vocab_size: int = 64, **extra):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                          tie_word_embeddings=tie, **extra)  # fmt: skip
+        return LlamaForCausalLM(cfg)
+
+    return build
+
+
+@pytest.fixture
 def tiny_model(tiny_checkpoint):
     from grpo_core.checkpoint import load_checkpoint
 

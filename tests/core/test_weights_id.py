@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from grpo_core import checkpoint as ckpt
 from grpo_core.checkpoint import POLICY_ID, load_checkpoint, policy_id, save_checkpoint
@@ -15,23 +15,9 @@ from grpo_core.checkpoint_writer import CheckpointWriter
 from grpo_core.weights_id import files_id, savable_state_dict, state_dict_id
 
 
-def _llama(tie: bool) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-    )
-    return LlamaForCausalLM(cfg)
-
-
 @pytest.mark.parametrize("tie", [True, False])
-def test_id_in_memory_equals_id_of_the_saved_files(tmp_path, tie):
-    model = _llama(tie)
+def test_id_in_memory_equals_id_of_the_saved_files(tmp_path, tie, tiny_llama):
+    model = tiny_llama(tie)
     state = savable_state_dict(model)
     assert ("lm_head.weight" in state) is not tie  # the tied copy is not a checkpoint tensor
     out = save_checkpoint(model, _Tok(), tmp_path / "c")
@@ -48,8 +34,8 @@ def test_id_in_memory_equals_id_of_the_saved_files(tmp_path, tie):
     assert state_dict_id(savable_state_dict(back)) != policy_id(out)
 
 
-def test_bf16_weights_hash_by_their_bytes(tmp_path):
-    model = _llama(True).to(torch.bfloat16)
+def test_bf16_weights_hash_by_their_bytes(tmp_path, tiny_llama):
+    model = tiny_llama(True).to(torch.bfloat16)
     out = save_checkpoint(model, _Tok(), tmp_path / "c")
     assert policy_id(out) == state_dict_id(savable_state_dict(model))
 

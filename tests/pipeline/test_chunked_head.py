@@ -70,25 +70,8 @@ def test_tied_embeddings_qwen2(tiny_model, temperature):
     assert_paths_agree(model.float(), temperature)
 
 
-def _llama(tie=False, **extra):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        tie_word_embeddings=tie,
-        **extra,
-    )
-    return LlamaForCausalLM(cfg)
-
-
-def test_untied_head_with_bias():
-    model = _llama()
+def test_untied_head_with_bias(tiny_llama):
+    model = tiny_llama(vocab_size=40)
     model.lm_head = torch.nn.Linear(16, 40, bias=True)
     assert_paths_agree(model, 0.8)
 
@@ -112,8 +95,8 @@ def test_softcapped_logits_fall_back_to_the_logits_path():
     assert_paths_agree(model, 0.9, expect_chunked=False)
 
 
-def test_a_head_the_decoder_output_does_not_explain_is_caught_by_the_probe():
-    model = _llama()
+def test_a_head_the_decoder_output_does_not_explain_is_caught_by_the_probe(tiny_llama):
+    model = tiny_llama(vocab_size=40)
     inner = model.forward
 
     def scaled(*a, **kw):  # a model that post-processes logits without saying so
