@@ -11,7 +11,11 @@ executor()``). The tasks hand their work to the executor and never ask which one
 - ``rollout_shards``: how many replicas share an iteration's prompts (part of a rollout's
   cache key: each shard samples with its own seed).
 
-Both keep this process's rollout engines (``engines``). The held-out evaluation samples
+Both keep this process's rollout engines (``engines``). With ``rl.async_level`` > 0 the
+schedule (flows/rl_schedule.py) calls ``hold`` on the policy it names for a rollout before
+the next update changes it: :class:`Local` freezes those weights for its engine process
+(cluster/engine_process.py), :class:`OnRay` makes its replicas read the checkpoints the
+trainer group writes (the group is busy with the next update, so no weight bus). The held-out evaluation samples
 where the rollouts do: with this process's engine (or HF generate) locally, on the rollout
 replicas on Ray (:class:`Sampler`).
 """
@@ -57,6 +61,41 @@ class Local:
     def __init__(self, cfg: ClusterConfig | None = None) -> None:
         self.cfg = cfg or ClusterConfig()
         self.engines = WarmEngines()  # kept alive across iterations, weights synced in memory
+        self.held: dict[str, Any] = {}  # policy_id -> engine_process.Snapshot
+        self._engine_process = None  # started with the first snapshot sampled
+
+    def hold(self, policy_id: str, load: Callable[[], Policy], source: str | Path) -> None:
+        """Freeze the weights of ``policy_id`` (``load()``: the warm policy holding them)
+        now, for a rollout that runs while the trainer goes on (``source``: a checkpoint
+        folder of their architecture, the stage's initial one)."""
+        from cluster import engine_process
+
+        if policy_id not in self.held:
+            self.held[policy_id] = engine_process.snapshot(load(), source)
+
+    def held_policy(self, policy_id: str):
+        """The snapshot :meth:`hold` took of ``policy_id``, or None."""
+        return self.held.get(policy_id)
+
+    def release(self, policy_id: str) -> None:
+        """The snapshot's rollouts are done: free its memory."""
+        self.held.pop(policy_id, None)
+
+    def served_here(self) -> tuple | None:
+        """``(start, end)`` (``time.monotonic``) of the engine process's work on this
+        thread's last snapshot sampled, or None."""
+        proc = self._engine_process
+        return getattr(proc.served, "span", None) if proc is not None else None
+
+    def _elsewhere(self):
+        from cluster import engine_process
+        from cluster.process import STATE
+
+        if self._engine_process is None:
+            self._engine_process = engine_process.EngineProcess(
+                threads=self.cfg.rollout.num_cpus, model_section=STATE.model.model_dump()
+            )
+        return self._engine_process
 
     def rollout_shards(self, n_prompts: int) -> int:
         return 1
@@ -65,6 +104,8 @@ class Local:
         """The dtype of the model that samples ``policy`` (a rollout file records it)."""
         from grpo_core.checkpoint import dtype_name
 
+        if policy.model is None:  # a snapshot, sampled by the engine process
+            return policy.dtype
         return dtype_name(policy.model)
 
     def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
@@ -95,6 +136,11 @@ class Local:
         check_sync: bool,
         desc: str,
     ) -> list:
+        if policy.model is None:  # a snapshot (:meth:`hold`): the engine process samples it
+            return self._elsewhere().sample(
+                policy, prompt_ids, params, engine=engine, engine_options=engine_options,
+                load_options=load_options, check_sync=check_sync, desc=desc,
+            )  # fmt: skip
         train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
         if (engine_options or {}).get("offload_optimizer") and train is not None:
             from grpo_core import offload  # back before the next step: tasks/policy_cache.py
@@ -133,6 +179,9 @@ class Local:
 
     def close(self) -> None:
         self.engines.close()
+        if self._engine_process is not None:
+            self._engine_process.close()
+            self._engine_process = None
 
 
 class OnRay(Local):
@@ -140,6 +189,12 @@ class OnRay(Local):
     on the trainer group."""
 
     remote_sampling = True
+    overlapped = False  # set by :meth:`hold`: rollouts run beside the trainer group's update
+
+    def hold(self, policy_id, load, source) -> None:
+        """The replicas read ``policy``'s checkpoint (the trainer group wrote it); the bus
+        would wait for the trainer group, which is busy with the next update by then."""
+        self.overlapped = True
 
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)
@@ -170,6 +225,7 @@ class OnRay(Local):
             load_options=load_options,
             check_sync=check_sync,
             desc=desc,
+            bus=not self.overlapped,
         )
 
     def score(self, prompts, completions, columns, weights, *, group_ids, build):

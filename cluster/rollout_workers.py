@@ -105,7 +105,14 @@ class RolloutGroup:
         return cls.remote(str(checkpoint), policy_id, engine, opts, load, tokenizer)
 
     def sync(
-        self, checkpoint: str, policy_id: str, model, tokenizer, *, check: bool = False
+        self,
+        checkpoint: str,
+        policy_id: str,
+        model,
+        tokenizer,
+        *,
+        check: bool = False,
+        bus: bool = True,
     ) -> None:
         """Bring every replica to ``policy_id``'s weights. ``model`` None (the driver holds
         no weights): trainer rank 0 broadcasts them (``cluster.rollout.weight_sync``,
@@ -121,7 +128,7 @@ class RolloutGroup:
         if model is None or adapters:  # the driver sends no weights
             from cluster import weight_sync
 
-            if not adapters and weight_sync.broadcast(self, checkpoint, policy_id):
+            if bus and not adapters and weight_sync.broadcast(self, checkpoint, policy_id):
                 return
             self._load_from(checkpoint, policy_id, stale)
             how = "adapter" if adapters else "checkpoint"
@@ -296,6 +303,7 @@ def sample(
     check_sync: bool = False,
     desc: str = "rollout",
     retries: int = 1,
+    bus: bool = True,
 ) -> list[Sample]:
     """Sample on the process's rollout replicas (started on first use, then synced to
     ``model``'s weights whenever ``policy_id`` changes; ``model`` None: they load
@@ -323,7 +331,7 @@ def sample(
                 policy_id=policy_id,
                 tokenizer=tokenizer,
             )
-        group.sync(str(checkpoint), policy_id, model, tokenizer, check=check_sync)
+        group.sync(str(checkpoint), policy_id, model, tokenizer, check=check_sync, bus=bus)
         return group.generate(
             prompt_ids,
             params,

@@ -18,24 +18,28 @@ over the stage's optimizer steps.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import flow
 
-from cluster import storage
+from cluster import runtime, storage
 from flows.rl_log import HeldOut, StageLog
 from flows.rl_report import IterationGroup
+from flows.rl_schedule import Overlap
 from flows.run_names import named
 from grpo_core import rewards
 from grpo_core.checkpoint import POLICY_ID, policy_id, save_checkpoint
 from grpo_core.config import EvalConfig, RLConfig
 from grpo_core.io import atomic_path, link_tree
 from tasks import policy_cache, policy_ref
+from tasks.chart_keys import chart_metrics
 from tasks.mlflow_runs import stage_run
 from tasks.results import RLStageOutcome
-from tasks.rollout import rollout
+from tasks.rollout import is_cached, rollout
 from tasks.run_log import logger
 from tasks.score import score
 from tasks.tracking import Tracking
@@ -72,45 +76,51 @@ def rl_stage(
         if rl.eval_on_start:  # step 0 of the curves: what RL starts from
             start_eval = log.held_out(init_checkpoint, 0, step, ws.start_eval_table(stage))
         name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
-        for it in range(rl.iterations):
-            if it % rl.eval_every == 0:
-                last_it = min(it + rl.eval_every, rl.iterations) - 1
-                group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
-            roll = named(rollout, f"{name}/rollout-{it}")(
-                stage, it, policy, rl_path, str(ws.rollouts(stage, it)), rl, seed, engine,
-                force=force,
-            )  # fmt: skip
-            scored = named(score, f"{name}/score-{it}")(
-                stage, it, roll.path, str(ws.scored(stage, it)), rl.rewards_at(it, weights), rl,
-                force=force,
-            )  # fmt: skip
-            upd = named(update, f"{name}/update-{it}")(
-                stage,
-                it,
-                policy,
-                scored.path,
-                str(ws.iteration_checkpoint(stage, it)),
-                rl,
-                reference_checkpoint=init_checkpoint,
-                init_checkpoint=init_checkpoint,
-                global_step=step,
-                total_steps=rl.total_optimizer_steps,
-                seed=seed,
-                force=force,
-                ref_path=str(ws.policy_ref(stage, it)),
-                keep=rl.saves_at(it),
-            )
-            it_cached = roll.cached and scored.cached and upd.cached
-            reused += it_cached
-            log.iteration(group, it, step, (roll, scored, upd), it_cached)
-            step, policy = upd.global_step, upd.checkpoint
+        run = _Iterations(stage, name, init_checkpoint, rl, rl_path, weights, ws, seed, engine,
+                          force)  # fmt: skip
+        overlap = run.overlap()  # rl.async_level > 0: rollouts run ahead of the updates
+        try:
+            for it in range(rl.iterations):
+                if it % rl.eval_every == 0:
+                    last_it = min(it + rl.eval_every, rl.iterations) - 1
+                    group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
+                roll, scored, extra = run.scored(it, policy, overlap)
+                upd = named(update, f"{name}/update-{it}")(
+                    stage,
+                    it,
+                    policy,
+                    scored.path,
+                    str(ws.iteration_checkpoint(stage, it)),
+                    rl,
+                    reference_checkpoint=init_checkpoint,
+                    init_checkpoint=init_checkpoint,
+                    global_step=step,
+                    total_steps=rl.total_optimizer_steps,
+                    seed=seed,
+                    force=force,
+                    ref_path=str(ws.policy_ref(stage, it)),
+                    keep=rl.saves_at(it),
+                )
+                it_cached = roll.cached and scored.cached and upd.cached
+                reused += it_cached
+                log.iteration(group, it, step, (roll, scored, upd), it_cached, extra)
+                step, policy = upd.global_step, upd.checkpoint
+                if overlap is not None:  # the engine starts on what this policy samples
+                    overlap.policy_known(it + 1, policy, policy_cache.policy_id(policy))
+                if it >= rl.async_level:  # keep the checkpoints queued rollouts read
+                    _prune(ws, stage, it - rl.async_level, rl)
+                done = it + 1  # the x-axis of the stage's curves: iterations done
+                if done % rl.eval_every == 0 or done == rl.iterations:
+                    table = ws.iteration_eval_table(stage, it)
+                    last_table = log.block_end(group, policy, done, step, table, scored).table
+                if not it_cached:  # live curves while training; replayed history goes in one call
+                    log.metrics.flush_every(METRICS_FLUSH_S)
+        finally:
+            run.close(overlap)
+        for it in range(max(0, rl.iterations - rl.async_level), rl.iterations):
             _prune(ws, stage, it, rl)
-            done = it + 1  # the x-axis of the stage's curves: iterations done
-            if done % rl.eval_every == 0 or done == rl.iterations:
-                table = ws.iteration_eval_table(stage, it)
-                last_table = log.block_end(group, policy, done, step, table, scored).table
-            if not it_cached:  # live curves while training; replayed history goes in one call
-                log.metrics.flush_every(METRICS_FLUSH_S)
+        if overlap is not None:
+            log.metrics.add(chart_metrics(overlap.shares()), rl.iterations)
         policy_cache.WRITER.drain()  # the kept checkpoints are in place
         final = _final_checkpoint(ws.checkpoint(stage), policy)
         wall = log.finish(final, step, reused, rl.iterations, t0)
@@ -124,6 +134,85 @@ def rl_stage(
         start_eval_table=start_eval and start_eval.table,
         cached_iterations=reused,
     )
+
+
+@dataclass
+class _Iterations:
+    """How the stage runs an iteration's rollout and scoring tasks: in line (on-policy), or
+    submitted ahead by the async schedule (flows/rl_schedule.py)."""
+
+    stage: str
+    name: str
+    init_checkpoint: str
+    rl: RLConfig
+    rl_path: str
+    weights: dict
+    ws: Workspace
+    seed: int
+    engine: dict | None
+    force: bool
+    threads: int | None = None  # this process's torch threads before the stage
+
+    def _args(self, it: int, policy: str) -> tuple:
+        out = str(self.ws.rollouts(self.stage, it))
+        return (self.stage, it, policy, self.rl_path, out, self.rl, self.seed, self.engine)
+
+    def _score_args(self, it: int, rollouts: str) -> tuple:
+        scored = str(self.ws.scored(self.stage, it))
+        return (self.stage, it, rollouts, scored, self.rl.rewards_at(it, self.weights), self.rl)
+
+    def scored(self, it: int, policy: str, overlap: Overlap | None):
+        """Iteration ``it``'s rollout and scoring results and the numbers the schedule adds."""
+        if overlap is not None:
+            return overlap.take(it)
+        roll = named(rollout, f"{self.name}/rollout-{it}")(
+            *self._args(it, policy), force=self.force
+        )
+        scored = named(score, f"{self.name}/score-{it}")(
+            *self._score_args(it, roll.path), force=self.force
+        )
+        return roll, scored, {}
+
+    def submit(self, it: int, policy: str):
+        """Iteration ``it``'s rollout task, and its scoring task once the file lands."""
+        args = self._args(it, policy)
+        roll = named(rollout, f"{self.name}/rollout-{it}").submit(*args, force=self.force)
+        scored = named(score, f"{self.name}/score-{it}").submit(
+            *self._score_args(it, args[4]), force=self.force, wait_for=[roll]
+        )
+        return roll, scored
+
+    def overlap(self) -> Overlap | None:
+        """The async schedule (None: on-policy); its first rollouts are submitted now. With
+        the local engine process, this process keeps the cores it does not take."""
+        if not self.rl.async_level:
+            return None
+        executor = runtime.executor()
+        if not executor.remote_sampling:
+            import torch
+
+            self.threads = torch.get_num_threads()
+            engine_threads = max(1, int(executor.cfg.rollout.num_cpus))
+            torch.set_num_threads(max(1, min(self.threads, (os.cpu_count() or 1) - engine_threads)))
+        overlap = Overlap(
+            self.rl.async_level,
+            self.rl.iterations,
+            self.submit,
+            cached=lambda it, policy: not self.force and is_cached(*self._args(it, policy)),
+            executor=executor,
+            load=policy_cache.get,
+            source=self.init_checkpoint,
+        )
+        overlap.policy_known(0, self.init_checkpoint, policy_cache.policy_id(self.init_checkpoint))
+        return overlap
+
+    def close(self, overlap: Overlap | None) -> None:
+        if overlap is not None:
+            overlap.cancel()
+        if self.threads is not None:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
 
 def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:

@@ -68,14 +68,17 @@ class StageLog:
         self.tracking.log_table(self.run_id, ev.samples, f"eval_samples/step_{done:04d}.json")
         return ev
 
-    def iteration(self, group: IterationGroup, it: int, step: int, results, cached: bool) -> None:
+    def iteration(
+        self, group: IterationGroup, it: int, step: int, results, cached: bool, extra=None
+    ) -> None:
         """Iteration ``it``'s point (its optimizer steps averaged, its scores and rollout
-        numbers) in the stage's run and its block's; the block also gets every step."""
+        numbers, ``extra``: the async schedule's) in the stage's run and its block's; the
+        block also gets every step."""
         roll, scored, upd = results
         group.cached &= bool(cached)
         for i, h in enumerate(upd.history):  # the nested run keeps every optimizer step
             group.add(step_metrics(h), step + i + 1)
-        point = {**iteration_means(upd.history), **scored.metrics, **roll.metrics}
+        point = {**iteration_means(upd.history), **scored.metrics, **roll.metrics, **(extra or {})}
         point = chart_metrics({**point, "timing/update_s": upd.seconds})
         self.metrics.add(point, it + 1)
         group.add(point, it + 1)

@@ -69,7 +69,8 @@ def engine_importance_weights(
     Returns:
         ``(weights, metrics)``: weights ``[B, T]`` (token modes) or ``[B, 1]`` (sequence modes),
         detached; metrics ``sampling/sampling_logp_difference/{mean,max}`` and
-        ``sampling/importance_sampling_ratio/{min,mean,max}``.
+        ``sampling/importance_sampling_ratio/{min,mean,max,clipped_share}`` (the share of
+        tokens, or sequences, whose weight was truncated or masked).
     """
     if mode not in IMPORTANCE_SAMPLING_MODES:
         raise ValueError(f"mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
@@ -79,21 +80,26 @@ def engine_importance_weights(
     sequence_level = mode.startswith("sequence")
     log_w = diff.sum(-1, keepdim=True) if sequence_level else diff  # [B, 1] or [B, T]
     w = torch.exp(log_w)  # [B, 1] or [B, T]
+    lo = -math.inf if clip_min is None else clip_min
+    hi = math.inf if clip_max is None else clip_max
+    out = (w < lo) | (w > hi)  # [B, 1] or [B, T]: truncated or masked
     if mode.endswith("truncate"):
         w = torch.clamp(w, min=clip_min, max=clip_max)
     else:
-        lo = -math.inf if clip_min is None else clip_min
-        hi = math.inf if clip_max is None else clip_max
-        w = w.masked_fill((w < lo) | (w > hi), 0.0)
+        w = w.masked_fill(out, 0.0)
 
     on = mask.bool()  # [B, T]
     gap = (old_logp - sampling_logp).abs()[on]  # [M]
     flat_w = w.flatten() if sequence_level else w[on]  # [B] or [M]
+    flat_out = out.flatten() if sequence_level else out[on]  # [B] or [M]
     metrics = {
         "sampling/sampling_logp_difference/mean": gap.mean().item() if gap.numel() else 0.0,
         "sampling/sampling_logp_difference/max": gap.max().item() if gap.numel() else 0.0,
         "sampling/importance_sampling_ratio/min": flat_w.min().item() if flat_w.numel() else 0.0,
         "sampling/importance_sampling_ratio/mean": flat_w.mean().item() if flat_w.numel() else 0.0,
         "sampling/importance_sampling_ratio/max": flat_w.max().item() if flat_w.numel() else 0.0,
+        "sampling/importance_sampling_ratio/clipped_share": (
+            flat_out.float().mean().item() if flat_out.numel() else 0.0
+        ),
     }
     return w, metrics

@@ -71,8 +71,15 @@ class RLConfig(TrainingKnobs):
         "auto",
         description="reweight tokens by trainer/engine probability ratios (TRL's name; any "
         "engine). auto: on where the engine's numbers differ from the trainer's (vLLM, "
-        "bf16, not float32, 4-bit), decided per scored file and logged "
-        "(grpo_core/old_logprobs.py: engine_correction_choice)",
+        "bf16, not float32, 4-bit, rows sampled by an older policy: async_level), decided "
+        "per scored file and logged (grpo_core/old_logprobs.py: engine_correction_choice)",
+    )
+    async_level: int = Field(
+        0,
+        ge=0,
+        description="k: iteration i's rollouts are sampled by the policy after update i-k-1 "
+        "(0: on-policy), so the engine generates while the trainer updates; a fixed "
+        "schedule, reproducible and cached like the on-policy loop (docs/algorithm.md)",
     )
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"

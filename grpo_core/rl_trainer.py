@@ -77,9 +77,13 @@ class RLOptimization:
         return self.rl.optimization.build(model, total_steps=self.total_steps, section="rl")
 
 
-def engine_correction_for(rows: ScoredRows, rl: RLConfig, model, *, quantized: bool = False):
+def engine_correction_for(
+    rows: ScoredRows, rl: RLConfig, model, *, quantized: bool = False, policy: str | None = None
+):
     """``rl`` with ``vllm_importance_sampling_correction`` decided for these rows
-    (``auto``: grpo_core/old_logprobs.py, ``engine_correction_choice``), and the reason."""
+    (``auto``: grpo_core/old_logprobs.py, ``engine_correction_choice``; ``policy``: the id of
+    the weights being updated, against the rows' sampling policies), and the reason."""
+    sampled_by = set(rows.table.column("policy_id").unique().to_pylist())
     on, why = engine_correction_choice(
         rl.vllm_importance_sampling_correction,
         file_meta=read_metadata_of(rows.table),
@@ -88,6 +92,7 @@ def engine_correction_for(rows: ScoredRows, rl: RLConfig, model, *, quantized: b
         fp16=rl.fp16,
         quantized=quantized,
         old_logprobs=rl.old_logprobs,
+        stale=policy is not None and sampled_by != {policy},
     )
     return rl.model_copy(update={"vllm_importance_sampling_correction": on}), why
 

@@ -22,6 +22,8 @@ class RolloutResult:
     path: str  # the rollouts Parquet
     metrics: dict[str, float]  # completions/*, timing/rollout_s, rollout/tokens_per_s
     cached: bool = False
+    # (start, end) on time.monotonic of the engine process's work on it (rl.async_level)
+    engine_busy: tuple | None = field(default=None, metadata=NOT_RECORDED)
 
 
 @dataclass(frozen=True)

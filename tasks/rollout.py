@@ -89,7 +89,8 @@ def write_rollouts(
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
-    w = policy_for(executor, policy_checkpoint, engine)
+    held = executor.held_policy(policy_cache.policy_id(policy_checkpoint))
+    w = held or policy_for(executor, policy_checkpoint, engine)  # held: rl.async_level
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
@@ -113,7 +114,8 @@ def write_rollouts(
         rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
     )
     write_parquet(table, out_path)
-    return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]))
+    busy = executor.served_here() if w.model is None else None
+    return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
 
 
 def policy_for(executor, checkpoint: str, engine: dict):
@@ -180,6 +182,28 @@ def rollout(
 ) -> RolloutResult:
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
     engine = engine or HF_ENGINE
+    key = rollout_key(stage, iteration, policy_checkpoint, rl_path, rl, seed, engine)
+    return cached(
+        f"{stage} iteration {iteration} rollout",
+        out_path,
+        key,
+        lambda: _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine),
+        force=force,
+    )
+
+
+def is_cached(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine=None):
+    """Whether :func:`rollout` would reuse ``out_path`` (the async schedule takes no
+    snapshot of a policy whose rollouts are already there)."""
+    from tasks.cache import lookup
+
+    key = rollout_key(stage, iteration, policy_checkpoint, rl_path, rl, seed, engine or HF_ENGINE)
+    return lookup(out_path, key) is not None
+
+
+def rollout_key(stage, iteration, policy_checkpoint, rl_path, rl: RLConfig, seed, engine) -> str:
+    """The rollout's cache key: what it samples, and the content hashes of the sampling
+    policy and the prompts."""
     params = {
         "prompts_per_iteration": rl.prompts_per_iteration,
         "num_generations": rl.num_generations,
@@ -192,14 +216,7 @@ def rollout(
     shards = rollout_shards(rl.prompts_per_iteration)
     if shards > 1:  # each shard samples with its own seed: another sample than one process's
         params["rollout_shards"] = shards
-    key = stage_key("rollout", params, [policy_checkpoint, rl_path])
-    return cached(
-        f"{stage} iteration {iteration} rollout",
-        out_path,
-        key,
-        lambda: _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine),
-        force=force,
-    )
+    return stage_key("rollout", params, [policy_checkpoint, rl_path])
 
 
 def _rollout(

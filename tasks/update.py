@@ -86,7 +86,9 @@ def update_from_file(
     if dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
     quantized = policy_cache.options().load_in_4bit
-    rl, correction = engine_correction_for(rows, rl, w.model, quantized=quantized)
+    rl, correction = engine_correction_for(
+        rows, rl, w.model, quantized=quantized, policy=w.policy_id
+    )
     _say_once(f"engine importance-sampling correction {correction}")
     source, why = old_logprobs_for(rows, rl, w.model, policy=w.policy_id, quantized=quantized)
     logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)

@@ -1,0 +1,211 @@
+"""The rollout engine in a process of its own, for ``rl.async_level`` > 0 on one machine.
+
+With ``cluster.backend: local`` an RL stage that overlaps generation with the update
+(flows/rl_schedule.py) samples here: a child process (``spawn``) that holds the engine and a
+model of the stage's architecture, with ``cluster.rollout.num_cpus`` torch threads, while the
+trainer keeps the rest of the cores. The schedule names which policy samples each
+iteration; when it does, the trainer's weights of that moment are frozen into a
+:class:`Snapshot` (a copy of the state dict in shared memory, taken between two updates), and
+the child loads it before its first request for that policy. Requests are answered in
+order, one at a time; each says when the child started and finished generating
+(``time.monotonic``, the same clock in both processes), from which the stage reports the
+engine's idle time.
+
+The child ends when the parent closes it, and on its own when the parent's end of the pipe
+closes (the parent died). A request that fails comes back as :class:`EngineProcessError`
+with the child's traceback; the child stays up for the next one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcessError(RuntimeError):
+    """A request the engine process could not answer (its traceback is the message)."""
+
+
+@dataclass
+class Snapshot:
+    """A policy's weights as the schedule named them, for the engine process.
+
+    ``checkpoint``: a folder with the policy's architecture and tokenizer (the stage's
+    initial checkpoint), where the child builds its model; ``state``: the weights, copied in
+    shared memory. It stands in for the policy in ``Local.sample`` (``model`` None: the
+    weights are not sampled here)."""
+
+    checkpoint: Path
+    policy_id: str
+    tokenizer: Any
+    config: Any
+    state: dict
+    dtype: str | None = None  # the sampling model's, set by the child's first answer
+    model: None = None
+
+
+def snapshot(policy, source: str | Path) -> Snapshot:
+    """``policy``'s weights (a warm ``CachedPolicy``) copied now into shared memory; its
+    tokenizer copied too (the trainer thread keeps using the original)."""
+    state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in _state(policy)}
+    return Snapshot(
+        checkpoint=Path(source),
+        policy_id=policy.policy_id,
+        tokenizer=copy.deepcopy(policy.tokenizer),
+        config=policy.model.config,
+        state=state,
+    )
+
+
+def _state(policy):
+    from grpo_core import lora
+
+    model = policy.model
+    if lora.is_peft(model):
+        return lora.merged_state_dict(model).items()
+    return model.state_dict().items()
+
+
+class EngineProcess:
+    """The parent's handle on the child: :meth:`sample` sends one request and waits."""
+
+    def __init__(self, threads: int, model_section: dict) -> None:
+        self.threads = max(1, int(threads))
+        self.model_section = model_section
+        self._lock = threading.Lock()
+        self._proc = self._conn = None
+        self._holds: str | None = None  # policy_id of the weights the child has
+        self.served = threading.local()  # .span: (start, end) of this thread's last request
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp  # its pickler sends tensors as shared memory
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=serve,
+            args=(child, self.threads, self.model_section),
+            name="grpo-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        child.close()
+        self._conn, self._holds = parent, None
+        log.info("started the engine process (pid %d, %d threads)", self._proc.pid, self.threads)
+
+    def sample(self, snap: Snapshot, prompt_ids, params, *, engine: str, engine_options,
+               load_options, check_sync: bool, desc: str) -> list:  # fmt: skip
+        with self._lock:
+            if self._proc is None or not self._proc.is_alive():
+                self._start()
+            request = {
+                "source": str(snap.checkpoint),
+                "policy_id": snap.policy_id,
+                "state": None if self._holds == snap.policy_id else snap.state,
+                "prompt_ids": prompt_ids,
+                "params": params,
+                "engine": engine,
+                "engine_options": dict(engine_options or {}),
+                "load_options": dict(load_options or {}),
+                "check_sync": check_sync,
+                "desc": desc,
+            }
+            try:
+                self._conn.send(request)
+                reply = self._conn.recv()
+            except (EOFError, OSError) as e:  # the child died mid-request
+                self._close_locked()
+                raise EngineProcessError(f"the engine process died during {desc}: {e}") from e
+            if reply["error"]:
+                self._holds = None  # a failure may leave the weights half loaded
+                raise EngineProcessError(f"{desc} in the engine process:\n{reply['error']}")
+            self._holds = snap.policy_id
+            snap.dtype = reply["dtype"]
+            self.served.span = (reply["start"], reply["end"])
+            return reply["samples"]
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        if self._proc is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(None)
+        self._proc.join(timeout=10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+        self._proc = self._conn = self._holds = None
+
+
+def serve(conn, threads: int, model_section: dict) -> None:
+    """The child: answer sampling requests until told to stop or the parent is gone."""
+    import torch
+
+    from cluster.executor import Local
+    from cluster.process import load_policies_with
+    from grpo_core.model_config import ModelConfig
+
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    load_policies_with(ModelConfig(**model_section))
+    local, held = Local(), {}
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        if request is None:
+            break
+        try:
+            reply = _answer(local, held, request)
+        except Exception:
+            reply = {"error": traceback.format_exc()}
+        conn.send(reply)
+    local.close()
+
+
+def _answer(local, held: dict, req: dict) -> dict:
+    """One request: the model of ``source`` (built once), the snapshot's weights when they
+    came with it, then the engine's samples."""
+    from grpo_core.checkpoint import dtype_name, load_checkpoint
+
+    source = req["source"]
+    if source not in held:
+        held.clear()  # one architecture at a time
+        held[source] = load_checkpoint(source, **req["load_options"])
+    model, tokenizer = held[source]
+    if req["state"] is not None:
+        model.load_state_dict(req["state"], strict=True)
+    model.eval()
+    policy = SimpleNamespace(
+        checkpoint=Path(source), policy_id=req["policy_id"], model=model, tokenizer=tokenizer
+    )
+    start = time.monotonic()
+    samples = local.sample(
+        policy,
+        req["prompt_ids"],
+        req["params"],
+        engine=req["engine"],
+        engine_options=req["engine_options"],
+        load_options=req["load_options"],
+        check_sync=req["check_sync"],
+        desc=req["desc"],
+    )
+    end = time.monotonic()
+    return {"error": None, "samples": samples, "start": start, "end": end,
+            "dtype": dtype_name(model)}  # fmt: skip
