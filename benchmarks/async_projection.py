@@ -1,5 +1,6 @@
-"""A projection, not a measurement: what overlapping generation and training (issue 28's
-``rl.async_level``) would save on a run whose RL stages already ran on-policy.
+"""A projection, not a measurement: what overlapping generation and training
+(``rl.async_level``, flows/rl_schedule.py) would save on a cluster, from a run whose RL
+stages ran on-policy.
 
 Reads each RL stage's per-iteration timings from the run's MLflow store (the stage run's
 ``train/timing/rollout_s``, ``score_s``, ``update_s`` and ``eval_s`` histories) and replays
@@ -14,7 +15,10 @@ order. So
 where ``sync`` (``--sync-s``) is a weight transfer per iteration. Evals stay on the critical
 path, added in full (they sample the policy being evaluated). What it assumes: the engine and
 the trainer on devices of their own, neither slowed by the other (on one 2-core machine they
-share the cores: measure there instead), and the same per-iteration times as the on-policy run.
+share the cores: benchmarks/bench_async.py measures there instead), and the same
+per-iteration times as the on-policy run. Under the async schedule the update also runs the
+old log-prob forward that on-policy ``old_logprobs: auto`` skips with the hf engine (rows of
+an older policy: docs/algorithm.md, "Async rollouts"); this replay does not add it.
 
     python benchmarks/async_projection.py --tracking-uri sqlite:///mlflow.db
     python benchmarks/async_projection.py --tracking-uri sqlite:///mlflow.db --levels 0 1 2 --sync-s 0.5

@@ -43,7 +43,7 @@ class Snapshot:
 
     ``checkpoint``: a folder with the policy's architecture and tokenizer (the stage's
     initial checkpoint), where the child builds its model; ``state``: the weights, copied in
-    shared memory. It stands in for the policy in ``Local.sample`` (``model`` None: the
+    shared memory (:func:`pack`). It stands in for the policy in ``Local.sample`` (``model`` None: the
     weights are not sampled here)."""
 
     checkpoint: Path
@@ -58,7 +58,7 @@ class Snapshot:
 def snapshot(policy, source: str | Path) -> Snapshot:
     """``policy``'s weights (a warm ``CachedPolicy``) copied now into shared memory; its
     tokenizer copied too (the trainer thread keeps using the original)."""
-    state = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in _state(policy)}
+    state = pack(dict(_state(policy)))
     return Snapshot(
         checkpoint=Path(source),
         policy_id=policy.policy_id,
@@ -75,6 +75,37 @@ def _state(policy):
     if lora.is_peft(model):
         return lora.merged_state_dict(model).items()
     return model.state_dict().items()
+
+
+def pack(state: dict) -> dict:
+    """``state`` in one shared-memory buffer per dtype (a state dict of hundreds of tensors
+    would otherwise pass one file descriptor each): ``{"buffers": {dtype: flat tensor},
+    "entries": [(name, dtype, offset, shape)]}``."""
+    import torch
+
+    sizes: dict = {}
+    for v in state.values():
+        sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+    buffers = {dt: torch.empty(n, dtype=dt).share_memory_() for dt, n in sizes.items()}
+    offsets, entries = dict.fromkeys(sizes, 0), []
+    with torch.no_grad():
+        for name, v in state.items():
+            at, n = offsets[v.dtype], v.numel()
+            buffers[v.dtype][at : at + n].copy_(v.detach().reshape(-1))
+            entries.append((name, v.dtype, at, tuple(v.shape)))
+            offsets[v.dtype] = at + n
+    return {"buffers": buffers, "entries": entries}
+
+
+def unpack(packed: dict) -> dict:
+    """The state dict :func:`pack` packed, as views of its buffers."""
+    out = {}
+    for name, dtype, at, shape in packed["entries"]:
+        n = 1
+        for d in shape:
+            n *= d
+        out[name] = packed["buffers"][dtype][at : at + n].view(shape)
+    return out
 
 
 class EngineProcess:
@@ -190,7 +221,7 @@ def _answer(local, held: dict, req: dict) -> dict:
         held[source] = load_checkpoint(source, **req["load_options"])
     model, tokenizer = held[source]
     if req["state"] is not None:
-        model.load_state_dict(req["state"], strict=True)
+        model.load_state_dict(unpack(req["state"]), strict=True)
     model.eval()
     policy = SimpleNamespace(
         checkpoint=Path(source), policy_id=req["policy_id"], model=model, tokenizer=tokenizer

@@ -81,6 +81,11 @@ class Local:
         """The snapshot's rollouts are done: free its memory."""
         self.held.pop(policy_id, None)
 
+    def overlap(self, on: bool) -> None:
+        """An RL stage starts (``on``) or ends overlapping rollouts with updates."""
+        if not on:
+            self.held.clear()
+
     def served_here(self) -> tuple | None:
         """``(start, end)`` (``time.monotonic``) of the engine process's work on this
         thread's last snapshot sampled, or None."""
@@ -189,12 +194,15 @@ class OnRay(Local):
     on the trainer group."""
 
     remote_sampling = True
-    overlapped = False  # set by :meth:`hold`: rollouts run beside the trainer group's update
+    overlapped = False  # rollouts run beside the trainer group's update (:meth:`overlap`)
+
+    def overlap(self, on: bool) -> None:
+        """While on, the replicas read each policy's checkpoint (the trainer group wrote
+        it): the weight bus would wait for the trainer group, busy with the next update."""
+        self.overlapped = on
 
     def hold(self, policy_id, load, source) -> None:
-        """The replicas read ``policy``'s checkpoint (the trainer group wrote it); the bus
-        would wait for the trainer group, which is busy with the next update by then."""
-        self.overlapped = True
+        """Nothing to freeze: the replicas read the checkpoint."""
 
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)

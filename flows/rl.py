@@ -78,8 +78,9 @@ def rl_stage(
         name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
         run = _Iterations(stage, name, init_checkpoint, rl, rl_path, weights, ws, seed, engine,
                           force)  # fmt: skip
-        overlap = run.overlap()  # rl.async_level > 0: rollouts run ahead of the updates
+        overlap = None
         try:
+            overlap = run.overlap()  # rl.async_level > 0: rollouts run ahead of the updates
             for it in range(rl.iterations):
                 if it % rl.eval_every == 0:
                     last_it = min(it + rl.eval_every, rl.iterations) - 1
@@ -188,12 +189,12 @@ class _Iterations:
         if not self.rl.async_level:
             return None
         executor = runtime.executor()
+        executor.overlap(True)
         if not executor.remote_sampling:
             import torch
 
             self.threads = torch.get_num_threads()
-            engine_threads = max(1, int(executor.cfg.rollout.num_cpus))
-            torch.set_num_threads(max(1, min(self.threads, (os.cpu_count() or 1) - engine_threads)))
+            torch.set_num_threads(_trainer_threads(executor.cfg, self.threads))
         overlap = Overlap(
             self.rl.async_level,
             self.rl.iterations,
@@ -209,10 +210,22 @@ class _Iterations:
     def close(self, overlap: Overlap | None) -> None:
         if overlap is not None:
             overlap.cancel()
+        if self.rl.async_level:
+            runtime.executor().overlap(False)
         if self.threads is not None:
             import torch
 
             torch.set_num_threads(self.threads)
+
+
+def _trainer_threads(cfg, now: int) -> int:
+    """This process's torch threads beside the engine process: ``cluster.trainer.num_cpus``
+    when set, else the cores the engine's ``cluster.rollout.num_cpus`` leave (at most
+    ``now``)."""
+    if "num_cpus" in cfg.trainer.model_fields_set:
+        return max(1, int(cfg.trainer.num_cpus))
+    engine = max(1, int(cfg.rollout.num_cpus))
+    return max(1, min(now, (os.cpu_count() or 1) - engine))
 
 
 def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:
