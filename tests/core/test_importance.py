@@ -34,8 +34,11 @@ def test_token_modes_hand():
     torch.testing.assert_close(w, torch.tensor([[2.0, 0.25], [3.0, 1.0]]))
     assert m["sampling/importance_sampling_ratio/mean"] == pytest.approx((2 + 0.25 + 3) / 3)
     assert m["sampling/sampling_logp_difference/max"] == pytest.approx(math.log(4))
-    w, _ = engine_importance_weights(old, s, mask, mode="token_mask", clip_min=0.5, clip_max=3.0)
+    assert m["sampling/importance_sampling_ratio/clipped_share"] == pytest.approx(1 / 3)
+    w, m = engine_importance_weights(old, s, mask, mode="token_mask", clip_min=0.5, clip_max=3.0)
     torch.testing.assert_close(w, torch.tensor([[2.0, 0.0], [0.0, 1.0]]))
+    # 0.25 under the floor and 4 over the cap, of 3 completion tokens (the pad not counted)
+    assert m["sampling/importance_sampling_ratio/clipped_share"] == pytest.approx(2 / 3)
 
 
 def test_sequence_modes_hand():
@@ -46,5 +49,6 @@ def test_sequence_modes_hand():
     w, m = engine_importance_weights(old, s, mask)  # TRL default: sequence_mask, cap 3
     torch.testing.assert_close(w, torch.tensor([[0.5], [0.0]]))
     assert m["sampling/importance_sampling_ratio/min"] == 0.0
+    assert m["sampling/importance_sampling_ratio/clipped_share"] == 0.5  # one of 2 sequences
     with pytest.raises(ValueError, match="mode"):
         engine_importance_weights(old, s, mask, mode="nope")

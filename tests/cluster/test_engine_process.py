@@ -1,0 +1,96 @@
+"""The rollout engine in its own process (cluster/engine_process.py, ``rl.async_level``): a
+snapshot sampled there gives this process's samples for those weights, a snapshot is frozen
+when taken, a failing request comes back as an error and the process serves the next one,
+and a killed process is started again."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from cluster.engine_process import EngineProcessError
+from cluster.executor import Local
+from grpo_core.checkpoint import load_checkpoint
+from grpo_core.generation import SamplingParams
+
+
+def _policy(path, pid: str):
+    from types import SimpleNamespace
+
+    model, tokenizer = load_checkpoint(path)
+    return SimpleNamespace(checkpoint=path, policy_id=pid, model=model, tokenizer=tokenizer)
+
+
+def _sample(executor: Local, policy, prompts, seed: int = 3):
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=seed)
+    return executor.sample(policy, prompts, params, engine="hf", engine_options={},
+                           load_options={}, check_sync=False, desc="test")  # fmt: skip
+
+
+def _ids(samples):
+    return [(s.completion_ids, [round(x, 4) for x in s.logprobs]) for s in samples]
+
+
+@pytest.fixture
+def one_thread():
+    """The child samples with 1 thread (cluster.rollout.num_cpus): so does this process, so
+    the two compute the same floats."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_snapshot_samples_in_the_child_as_here(tiny_checkpoint, one_thread):
+    executor = Local()
+    try:
+        here = _policy(tiny_checkpoint, "p0")
+        prompts = [here.tokenizer.encode("12+34=")] * 2
+        expected = _sample(executor, here, prompts)
+        executor.hold("p0", lambda: here, tiny_checkpoint)
+        snap = executor.held_policy("p0")
+        assert snap.model is None and snap.policy_id == "p0"
+        with torch.no_grad():  # the trainer goes on: the snapshot keeps the weights it took
+            for p in here.model.parameters():
+                p.add_(0.5)
+        got = _sample(executor, snap, prompts)
+        assert _ids(got) == _ids(expected)
+        child = executor._engine_process._proc.pid
+        assert child != os.getpid()
+        start, end = executor.served_here()
+        assert start <= end
+        assert snap.dtype == "float32"
+
+        # the changed weights, held as another policy, reach the child and sample otherwise
+        executor.hold("p1", lambda: here, tiny_checkpoint)
+        moved = _sample(executor, executor.held_policy("p1"), prompts)
+        assert _ids(moved) == _ids(_sample(executor, here, prompts))
+        assert _ids(moved) != _ids(expected)
+        executor.release("p0")
+        assert executor.held_policy("p0") is None
+    finally:
+        executor.close()
+
+
+def test_a_failed_request_is_an_error_and_a_dead_child_is_replaced(tiny_checkpoint):
+    executor = Local()
+    try:
+        here = _policy(tiny_checkpoint, "p0")
+        executor.hold("p0", lambda: here, tiny_checkpoint)
+        snap = executor.held_policy("p0")
+        vocab = here.model.config.vocab_size
+        with pytest.raises(EngineProcessError, match="test in the engine process"):
+            _sample(executor, snap, [[vocab + 5]])  # a token id past the embedding
+        proc = executor._engine_process._proc
+        assert proc.is_alive()  # and it answers the next request
+        assert len(_sample(executor, snap, [here.tokenizer.encode("1+1=")])) == 2
+
+        proc.kill()  # between requests: the next one starts a new child
+        proc.join()
+        assert len(_sample(executor, snap, [here.tokenizer.encode("1+1=")])) == 2
+        assert executor._engine_process._proc.pid != proc.pid
+    finally:
+        executor.close()
+    assert executor._engine_process is None
