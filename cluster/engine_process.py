@@ -55,13 +55,14 @@ class Snapshot:
     model: None = None
 
 
-def snapshot(policy, source: str | Path) -> Snapshot:
-    """``policy``'s weights (a warm ``CachedPolicy``) copied now into shared memory; its
-    tokenizer copied too (the trainer thread keeps using the original)."""
+def snapshot(policy, source: str | Path, policy_id: str | None = None) -> Snapshot:
+    """``policy``'s weights (a warm ``CachedPolicy``) copied now into shared memory, named
+    ``policy_id`` (default: the policy's); its tokenizer copied too (the trainer thread
+    keeps using the original)."""
     state = pack(dict(_state(policy)))
     return Snapshot(
         checkpoint=Path(source),
-        policy_id=policy.policy_id,
+        policy_id=policy_id or policy.policy_id,
         tokenizer=copy.deepcopy(policy.tokenizer),
         config=policy.model.config,
         state=state,

@@ -71,7 +71,7 @@ class Local:
         from cluster import engine_process
 
         if policy_id not in self.held:
-            self.held[policy_id] = engine_process.snapshot(load(), source)
+            self.held[policy_id] = engine_process.snapshot(load(), source, policy_id)
 
     def held_policy(self, policy_id: str):
         """The snapshot :meth:`hold` took of ``policy_id``, or None."""
