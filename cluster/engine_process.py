@@ -43,8 +43,8 @@ class Snapshot:
 
     ``checkpoint``: a folder with the policy's architecture and tokenizer (the stage's
     initial checkpoint), where the child builds its model; ``state``: the weights, copied in
-    shared memory (:func:`pack`). It stands in for the policy in ``Local.sample`` (``model`` None: the
-    weights are not sampled here)."""
+    shared memory (:func:`pack`). It stands in for the policy in ``Local.sample``
+    (``model`` None: the weights are not sampled here)."""
 
     checkpoint: Path
     policy_id: str

@@ -15,9 +15,9 @@ Both keep this process's rollout engines (``engines``). With ``rl.async_level`` 
 schedule (flows/rl_schedule.py) calls ``hold`` on the policy it names for a rollout before
 the next update changes it: :class:`Local` freezes those weights for its engine process
 (cluster/engine_process.py), :class:`OnRay` makes its replicas read the checkpoints the
-trainer group writes (the group is busy with the next update, so no weight bus). The held-out evaluation samples
-where the rollouts do: with this process's engine (or HF generate) locally, on the rollout
-replicas on Ray (:class:`Sampler`).
+trainer group writes (the group is busy with the next update, so no weight bus). The
+held-out evaluation samples where the rollouts do: with this process's engine (or HF
+generate) locally, on the rollout replicas on Ray (:class:`Sampler`).
 """
 
 from __future__ import annotations

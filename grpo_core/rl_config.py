@@ -77,9 +77,10 @@ class RLConfig(TrainingKnobs):
     async_level: int = Field(
         0,
         ge=0,
-        description="k: iteration i's rollouts are sampled by the policy after update i-k-1 "
-        "(0: on-policy), so the engine generates while the trainer updates; a fixed "
-        "schedule, reproducible and cached like the on-policy loop (docs/algorithm.md)",
+        description="k: iteration i's rollouts are sampled by the policy k updates behind "
+        "the newest (after i-k updates; 0: on-policy), so the engine generates while the "
+        "trainer updates; a fixed schedule, reproducible and cached like the on-policy "
+        "loop (docs/algorithm.md)",
     )
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"

@@ -1,5 +1,5 @@
 """``rl.async_level`` (flows/rl_schedule.py): the rollouts of iteration i are sampled by the
-policy after update i-k-1, in the engine process, while the trainer updates.
+policy k updates behind the newest, in the engine process, while the trainer updates.
 
 Through `grpo run` at the tests' tiny budget: every rollout file's sampling policy is the
 one the schedule names, rows of an older policy turn the behaviour correction on, the
