@@ -3,7 +3,7 @@ by seed, interleaved: each RL stage's wall time and held-out accuracy, the async
 shares of trainer and engine, and the on-policy wall time over the async one.
 
     python benchmarks/bench_async.py --seeds 0 1 2 [--levels 0 1] [--out benchmarks/out/async]
-        [--set KEY=VALUE ...] [--report]
+        [--set KEY=VALUE ...] [--report] [--base OTHER_OUT/async0]
 
 Each (seed, level) is `grpo run --set seed=S --set rl.async_level=K` into ``OUT/asyncK``
 (benchmarks/demo_seeds.py runs it: ``OUT/asyncK/seedS.{txt,json}``, MLflow at
@@ -41,7 +41,10 @@ def stage_numbers(db: Path, run_name: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def report(out: Path, seeds: list[int], levels: list[int]) -> None:
+def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = None) -> None:
+    """The table; ``base``: the folder of on-policy runs the ratios compare with (default
+    ``OUT/async0``, e.g. another OUT's when this one holds a variant's async runs)."""
+    base_dir = base or out / "async0"
     head = ["seed", "async_level"]
     for s in STAGES:
         head += [f"{s} wall s", f"{s} pass@1", f"{s} on-policy / this"]
@@ -49,14 +52,14 @@ def report(out: Path, seeds: list[int], levels: list[int]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for seed in seeds:
-        base = None
+        ref = base_dir / "mlflow.db"
+        base = stage_numbers(ref, f"seed{seed}") if ref.exists() else None
         for k in levels:
             folder = out / f"async{k}"
             if not (folder / f"seed{seed}.txt").exists():
                 continue
             acc, _ = parse_summary((folder / f"seed{seed}.txt").read_text())
             nums = stage_numbers(folder / "mlflow.db", f"seed{seed}")
-            base = nums if k == 0 else base
             cells = [str(seed), str(k)]
             for s in STAGES:
                 wall = nums[s]["wall_s"]
@@ -74,6 +77,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/out/async"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--report", action="store_true", help="only print the table from OUT")
+    p.add_argument("--base", type=Path, help="on-policy runs to compare with (OUT/async0)")
     args = p.parse_args()
     if not args.report:
         for seed in args.seeds:
@@ -84,7 +88,7 @@ def main() -> None:
                     continue
                 m = run_seed(seed, folder, [f"rl.async_level={k}", *args.set])
                 print(f"seed {seed}, async_level {k}: {m['wall_s']:.0f} s", file=sys.stderr)
-    report(args.out, args.seeds, args.levels)
+    report(args.out, args.seeds, args.levels, args.base)
 
 
 if __name__ == "__main__":
