@@ -11,8 +11,8 @@ order, one at a time; each says when the child started and finished generating
 (``time.monotonic``, the same clock in both processes), from which the stage reports the
 engine's idle time.
 
-The child ends when the parent closes it, and on its own when the parent's end of the pipe
-closes (the parent died). A request that fails comes back as :class:`EngineProcessError`
+The child ends when the parent closes it (at the latest when the parent exits), and on its
+own when the parent's end of the pipe closes (the parent died). A request that fails comes back as :class:`EngineProcessError`
 with the child's traceback; the child stays up for the next one.
 """
 
@@ -119,20 +119,27 @@ class EngineProcess:
         self._proc = self._conn = None
         self._holds: str | None = None  # policy_id of the weights the child has
         self.served = threading.local()  # .span: (start, end) of this thread's last request
+        self._atexit = False
 
     def _start(self) -> None:
         import torch.multiprocessing as mp  # its pickler sends tensors as shared memory
 
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
+        # not a daemon: vLLM may start workers of its own there (its multiprocessing
+        # engine, tensor parallelism), which a daemonic process may not. Closed before
+        # multiprocessing joins its children at exit (atexit runs the later one first).
         self._proc = ctx.Process(
-            target=serve,
-            args=(child, self.threads, self.model_section),
-            name="grpo-engine",
-            daemon=True,
+            target=serve, args=(child, self.threads, self.model_section), name="grpo-engine"
         )
         self._proc.start()
         child.close()
+        if not self._atexit:
+            import atexit
+            import multiprocessing.util  # noqa: F401  its exit hook is registered before ours
+
+            atexit.register(self.close)
+            self._atexit = True
         self._conn, self._holds = parent, None
         log.info("started the engine process (pid %d, %d threads)", self._proc.pid, self.threads)
 
@@ -217,10 +224,17 @@ def _answer(local, held: dict, req: dict) -> dict:
     from grpo_core.checkpoint import dtype_name, load_checkpoint
 
     source = req["source"]
-    if source not in held:
+    fresh = source not in held
+    if fresh:
         held.clear()  # one architecture at a time
         held[source] = load_checkpoint(source, **req["load_options"])
     model, tokenizer = held[source]
+    if fresh and req["engine"] != "hf":
+        # a kept engine starts from the checkpoint's weights, not the snapshot's: started
+        # here under an id of its own, it is synced to the snapshot's below
+        saved = SimpleNamespace(checkpoint=Path(source), policy_id=f"{source} (as saved)",
+                                model=model, tokenizer=tokenizer)  # fmt: skip
+        local.engine(saved, req["engine"], req["engine_options"], check_sync=False)
     if req["state"] is not None:
         model.load_state_dict(unpack(req["state"]), strict=True)
     model.eval()
