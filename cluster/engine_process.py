@@ -12,8 +12,9 @@ order, one at a time; each says when the child started and finished generating
 engine's idle time.
 
 The child ends when the parent closes it (at the latest when the parent exits), and on its
-own when the parent's end of the pipe closes (the parent died). A request that fails comes back as :class:`EngineProcessError`
-with the child's traceback; the child stays up for the next one.
+own when the parent's end of the pipe closes (the parent died). A request that fails comes
+back as :class:`EngineProcessError` with the child's traceback; the child stays up for the
+next one.
 """
 
 from __future__ import annotations
