@@ -53,7 +53,7 @@ def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = N
     print("|" + "---|" * len(head))
     for seed in seeds:
         ref = base_dir / "mlflow.db"
-        base = stage_numbers(ref, f"seed{seed}") if ref.exists() else None
+        on_policy = stage_numbers(ref, f"seed{seed}") if ref.exists() else None
         for k in levels:
             folder = out / f"async{k}"
             if not (folder / f"seed{seed}.txt").exists():
@@ -63,7 +63,7 @@ def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = N
             cells = [str(seed), str(k)]
             for s in STAGES:
                 wall = nums[s]["wall_s"]
-                ratio = f"{base[s]['wall_s'] / wall:.2f}x" if base else "-"
+                ratio = f"{on_policy[s]['wall_s'] / wall:.2f}x" if on_policy else "-"
                 cells += [f"{wall:.1f}", f"{acc[s][0]:.1f}%", ratio]
             shares = nums["rl_1"]
             cells += [f"{shares[k_] * 100:.0f}%" if k_ in shares else "-" for k_ in SHARES]

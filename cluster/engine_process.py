@@ -120,7 +120,10 @@ class EngineProcess:
         self._proc = self._conn = None
         self._holds: str | None = None  # policy_id of the weights the child has
         self.served = threading.local()  # .span: (start, end) of this thread's last request
-        self._atexit = False
+        import atexit
+        import multiprocessing.util  # noqa: F401  its exit hook is registered before ours
+
+        atexit.register(self.close)  # before multiprocessing joins its non-daemon children
 
     def _start(self) -> None:
         import torch.multiprocessing as mp  # its pickler sends tensors as shared memory
@@ -128,19 +131,13 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         # not a daemon: vLLM may start workers of its own there (its multiprocessing
-        # engine, tensor parallelism), which a daemonic process may not. Closed before
-        # multiprocessing joins its children at exit (atexit runs the later one first).
+        # engine, tensor parallelism), which a daemonic process may not; closed at exit
+        # (__init__) before multiprocessing joins its children (atexit runs LIFO).
         self._proc = ctx.Process(
             target=serve, args=(child, self.threads, self.model_section), name="grpo-engine"
         )
         self._proc.start()
         child.close()
-        if not self._atexit:
-            import atexit
-            import multiprocessing.util  # noqa: F401  its exit hook is registered before ours
-
-            atexit.register(self.close)
-            self._atexit = True
         self._conn, self._holds = parent, None
         log.info("started the engine process (pid %d, %d threads)", self._proc.pid, self.threads)
 
