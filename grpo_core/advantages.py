@@ -63,11 +63,15 @@ def group_moments(rewards: Tensor, group_ids: Tensor) -> GroupMoments:
     r0 = torch.where(valid, r, torch.zeros_like(r))  # [N]
     _, inverse = torch.unique(group_ids, return_inverse=True)  # [N]
     num_groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
-    count = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, inverse, valid.to(r.dtype))  # [G]
-    total = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, inverse, r0)  # [G]
+    count = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(
+        0, inverse, valid.to(r.dtype)
+    )  # [G]
+    total = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(
+        0, inverse, r0
+    )  # [G]
     mean = total / count.clamp(min=1)  # [G]
     dev2 = torch.where(valid, (r0 - mean[inverse]) ** 2, torch.zeros_like(r))  # [N]
-    ss = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, inverse, dev2)  # [G]
+    ss = torch.zeros(num_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, dev2)  # [G]
     std = torch.where(
         count > 1, (ss / (count - 1).clamp(min=1)).sqrt(), torch.zeros_like(ss)
     )  # [G]
@@ -90,7 +94,7 @@ def nanstd(x: Tensor) -> Tensor:
     """Unbiased std of the non-NaN entries (0 when fewer than two)."""
     x = x[~torch.isnan(x)]  # [M]
     if x.numel() < 2:
-        return torch.zeros((), dtype=x.dtype)
+        return torch.zeros((), dtype=x.dtype, device=x.device)
     return x.std(unbiased=True)
 
 
@@ -156,8 +160,9 @@ def compute(name: str, rewards: Tensor, group_ids: Tensor, **opts) -> Tensor:
 def weighted_reward_sum(rewards_per_func: Tensor, weights: Tensor | None = None) -> Tensor:
     """TRL's reward: weighted ``nansum`` over reward functions; NaN when all are NaN."""
     k = rewards_per_func.shape[1]
-    w = torch.ones(k, dtype=rewards_per_func.dtype) if weights is None else weights  # [K]
-    w = w.to(rewards_per_func.dtype)
+    if weights is None:
+        weights = torch.ones(k, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    w = weights.to(rewards_per_func.device, rewards_per_func.dtype)  # [K]
     total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # [N]
     unscorable = torch.isnan(rewards_per_func).all(dim=1)  # [N]
     return total.masked_fill(unscorable, float("nan"))
@@ -192,7 +197,7 @@ def compute_multi(
     normalised = torch.stack(cols, dim=1)  # [N, K]
     rewards = weighted_reward_sum(normalised, weights)  # [N]
     valid = rewards[~torch.isnan(rewards)]  # [M]
-    mean = valid.mean() if valid.numel() else torch.zeros((), dtype=rewards.dtype)
+    mean = valid.mean() if valid.numel() else torch.zeros_like(rewards[:0].sum())
     adv = (rewards - mean) / (nanstd(rewards) + eps)  # [N]
     informative = informative_groups(rewards_per_func, group_ids, weights, aggregation)  # [N]
     return _finish(adv, rewards, informative)
@@ -216,8 +221,10 @@ def informative_groups(
     if aggregation != "normalize_then_sum":
         raise ValueError(f"aggregation must be one of {MULTI_AGGREGATIONS}, got {aggregation!r}")
     k = rewards_per_func.shape[1]
-    w = torch.ones(k) if weights is None else weights  # [K]
-    varies = torch.zeros(rewards_per_func.shape[0], dtype=torch.bool)  # [N]
+    w = [1.0] * k if weights is None else weights.tolist()  # [K]
+    varies = torch.zeros(
+        rewards_per_func.shape[0], dtype=torch.bool, device=rewards_per_func.device
+    )  # [N]
     for j in range(k):
         if float(w[j]) != 0.0:
             varies |= ~zero_std(group_moments(rewards_per_func[:, j], group_ids).std)
@@ -238,7 +245,9 @@ def group_stats(
     """
     m = group_moments(rewards, group_ids)
     valid = ~torch.isnan(rewards)  # [N]
-    per_group_std = torch.zeros(m.num_groups, dtype=m.std.dtype).index_copy_(0, m.inverse, m.std)
+    per_group_std = torch.zeros(m.num_groups, dtype=m.std.dtype, device=m.std.device).index_copy_(
+        0, m.inverse, m.std
+    )
     zero = zero_std(m.std) if informative is None else ~informative  # [N]
     mean = rewards[valid].double().mean().item() if valid.any() else float("nan")
     return {

@@ -29,6 +29,34 @@ class UpdateBatch:
     def size(self) -> int:
         return self.input_ids.shape[0]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str) -> UpdateBatch:
+        """Every tensor on ``device``: the one place where an update's inputs cross to the
+        model's device (``grpo_core.update.grpo_update``); indices and everything derived
+        from the batch are then made there too."""
+        device = torch.device(device)
+        if self.device == device and all(
+            t is None or t.device == device for t in (self.group_ids, self.sampling_logp)
+        ):
+            return self
+
+        def move(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return UpdateBatch(
+            move(self.input_ids),
+            move(self.attention_mask),
+            move(self.completion_ids),
+            move(self.completion_mask),
+            move(self.advantages),
+            self.prompt_width,
+            move(self.group_ids),
+            move(self.sampling_logp),
+        )
+
     def slice(self, idx: Tensor) -> UpdateBatch:
         return UpdateBatch(
             self.input_ids[idx],
@@ -43,7 +71,9 @@ class UpdateBatch:
 
     def step_slices(self, steps: int) -> list[Tensor]:
         """Row indices of ``steps`` micro-batches holding whole groups (as equal as possible)."""
-        gids = self.group_ids if self.group_ids is not None else torch.arange(self.size)
+        gids = self.group_ids
+        if gids is None:
+            gids = torch.arange(self.size, device=self.device)
         groups = torch.unique_consecutive(gids)  # [G] rows must be group-contiguous
         if len(groups) != len(torch.unique(gids)):
             raise ValueError(
@@ -83,7 +113,7 @@ class UpdateBatch:
         completion among them)) is at most ``max_tokens``; a row longer than the budget on its
         own is a chunk by itself. ``None``: one chunk of every row."""
         if max_tokens is None or self.size == 0:
-            return [torch.arange(self.size)]
+            return [torch.arange(self.size, device=self.device)]
         P = self.prompt_width
         attn = self.attention_mask
         prompt_len = attn[:, :P].sum(-1).tolist()
@@ -92,10 +122,10 @@ class UpdateBatch:
         for i in range(self.size):
             p, c = max(p_max, prompt_len[i]), max(c_max, comp_len[i])
             if i > start and (i - start + 1) * (p + max(c, 1)) > max_tokens:
-                chunks.append(torch.arange(start, i))
+                chunks.append(torch.arange(start, i, device=self.device))
                 start, p, c = i, prompt_len[i], comp_len[i]
             p_max, c_max = p, c
-        chunks.append(torch.arange(start, self.size))
+        chunks.append(torch.arange(start, self.size, device=self.device))
         return chunks
 
 

@@ -88,4 +88,7 @@ def logprob_chunks(batch: UpdateBatch, chunk: int, max_tokens: int | None) -> li
     """Row indices of :func:`batched_logprobs`' forwards."""
     if max_tokens is not None:
         return batch.token_chunks(max_tokens)
-    return [torch.arange(s, min(s + chunk, batch.size)) for s in range(0, batch.size, chunk)]
+    return [
+        torch.arange(s, min(s + chunk, batch.size), device=batch.device)
+        for s in range(0, batch.size, chunk)
+    ]

@@ -72,24 +72,30 @@ class DataParallel(LocalParallel):
     def shard(self, batch: UpdateBatch, slices: list[Tensor]) -> tuple[UpdateBatch, list[Tensor]]:
         """This rank's rows: a contiguous share of the whole groups of each micro-batch.
         Returns the local batch and the micro-batches' row indices into it (possibly empty)."""
-        gids = batch.group_ids if batch.group_ids is not None else torch.arange(batch.size)
+        dev = batch.device
+        gids = (
+            batch.group_ids if batch.group_ids is not None else torch.arange(batch.size, device=dev)
+        )
         mine = []
         for idx in slices:
             groups = torch.unique_consecutive(gids[idx])  # [g] in row order
             part = torch.tensor_split(groups, self.world_size)[self.rank]
             mine.append(idx[torch.isin(gids[idx], part)])
-        rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long)
-        bounds = torch.tensor([0] + [len(m) for m in mine]).cumsum(0).tolist()
-        local = [torch.arange(bounds[j], bounds[j + 1]) for j in range(len(mine))]
+        rows = torch.cat(mine) if mine else torch.zeros(0, dtype=torch.long, device=dev)
+        bounds = [0]
+        for m in mine:
+            bounds.append(bounds[-1] + len(m))
+        local = [torch.arange(bounds[j], bounds[j + 1], device=dev) for j in range(len(mine))]
         return batch.slice(rows), local
 
     def all_reduce_counts(self, tokens: Tensor, rows: list[int]) -> tuple[Tensor, list[int]]:
         """The global micro-batches' completion tokens and sequences from this rank's share
         (summed over the ranks), for ``grpo_core.losses.step_normalisers``."""
-        counts = torch.stack([tokens.double(), torch.tensor(rows, dtype=torch.float64)], 1)
+        seqs = torch.tensor(rows, dtype=torch.float64, device=tokens.device)
+        counts = torch.stack([tokens.double(), seqs], 1)
         counts = counts.reshape(-1, 2).to(self.device)  # [J, 2]: tokens, sequences
         dist.all_reduce(counts, group=self.group)
-        counts = counts.cpu()
+        counts = counts.to(tokens.device)  # back where the batch lives (the model's device)
         return counts[:, 0].to(torch.float32), [int(r) for r in counts[:, 1].tolist()]
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:

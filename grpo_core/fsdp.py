@@ -164,14 +164,14 @@ class ShardedDataParallel(DataParallel):
         all-reduced, plus those of the replicated gradients (equal on every rank)."""
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
         for g in grads:
             if isinstance(g, DTensor):
                 sharded += g.to_local().double().pow(2).sum().to(self.device)
             else:
-                replicated += g.double().pow(2).sum().cpu()
+                replicated += g.double().pow(2).sum().to(self.device)
         dist.all_reduce(sharded, group=self.group)
-        total = (sharded.cpu() + replicated).sqrt().float()
+        total = (sharded + replicated).sqrt().float()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for g in grads:
             local = g.to_local() if isinstance(g, DTensor) else g

@@ -91,13 +91,13 @@ def _left_pad(
     prompts: list[list[int]], pad_id: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prompts left-padded to the longest: input ids and attention mask, [B, L] each."""
-    B, L = len(prompts), max(len(p) for p in prompts)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, L - len(p) :] = torch.tensor(p)
-        attn[i, L - len(p) :] = 1
-    return input_ids.to(device), attn.to(device)
+    L = max(len(p) for p in prompts)
+    ids = [[pad_id] * (L - len(p)) + list(p) for p in prompts]
+    attn = [[0] * (L - len(p)) + [1] * len(p) for p in prompts]
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(attn, dtype=torch.long, device=device),
+    )
 
 
 def _next_tokens(

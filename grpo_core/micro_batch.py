@@ -30,15 +30,12 @@ class RowTensors:
     ref_logp: Tensor | None = None
     is_weights: Tensor | None = None
 
-    def rows(self, idx: Tensor, device=None) -> RowTensors:
-        """Rows ``idx`` of each, moved to ``device`` (default: indexed where they are)."""
-        if device is None and self.old_logp is not None:
-            idx = idx.to(self.old_logp.device)
+    def rows(self, idx: Tensor) -> RowTensors:
+        """Rows ``idx`` of each (all on the batch's device: ``grpo_core.update`` made them
+        there)."""
 
         def pick(x: Tensor | None) -> Tensor | None:
-            if x is None:
-                return None
-            return x[idx] if device is None else x[idx].to(device)
+            return None if x is None else x[idx]
 
         return RowTensors(pick(self.old_logp), pick(self.ref_logp), pick(self.is_weights))
 
@@ -118,11 +115,9 @@ def _forward_backward(
     model, mb: UpdateBatch, cfg: UpdateConfig, precision: Precision, fixed: RowTensors, norm
 ) -> dict:
     """Every row of ``mb`` through the loss and its backward, chunk by chunk."""
-    device = model.device
-    mask = mb.completion_mask.to(device)  # [n, T]
-    adv = mb.advantages.to(device)  # [n]
-    norm = norm.to(device) if isinstance(norm, Tensor) else norm
-    parts = [p.to(device) for p in mb.token_chunks(cfg.max_tokens_per_microbatch)]
+    mask = mb.completion_mask  # [n, T] (on the model's device: grpo_core.update moved it)
+    adv = mb.advantages  # [n]
+    parts = mb.token_chunks(cfg.max_tokens_per_microbatch)
     token_weights = None
     if cfg.top_entropy_quantile < 1.0 and len(parts) > 1:
         # the quantile is over the whole micro-batch: its entropies first, without grad
@@ -182,7 +177,7 @@ def _forward(model, mb: UpdateBatch, rows: Tensor, cfg: UpdateConfig, precision:
     with precision.autocast():
         return completion_logprobs(
             model,
-            mb.slice(rows.cpu()),
+            mb.slice(rows),
             temperature=cfg.temperature,
             with_entropy=True,
             lm_head=cfg.lm_head,

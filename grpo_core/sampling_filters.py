@@ -35,7 +35,9 @@ def dynamic_sampling_mask(advantages: Tensor, group_ids: Tensor) -> Tensor:
     _, inverse = torch.unique(group_ids, return_inverse=True)  # [N]
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     nonzero = (advantages != 0).to(torch.long)  # [N]
-    per_group = torch.zeros(n_groups, dtype=torch.long).index_add_(0, inverse, nonzero)  # [G]
+    per_group = torch.zeros(n_groups, dtype=torch.long, device=advantages.device).index_add_(
+        0, inverse, nonzero
+    )  # [G]
     return per_group[inverse] > 0  # [N]
 
 

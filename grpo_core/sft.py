@@ -111,7 +111,7 @@ def sft_loss_backward(
     Returns the loss (this share's part of it)."""
     precision = precision or Precision()
     targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)  # [n, L] shifted
-    n_tokens = torch.tensor(max(target_tokens(labels) if n_tokens is None else n_tokens, 1))
+    n_tokens = max(target_tokens(labels) if n_tokens is None else n_tokens, 1)  # a Python int
     total = 0.0
     for rows in row_chunks(attn, max_tokens):
         width = max(1, int(attn[rows].sum(-1).max()))  # right padding beyond it is dropped

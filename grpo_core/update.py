@@ -56,6 +56,7 @@ __all__ = [
     "completion_logprobs",
     "grpo_update",
     "live_rows",
+    "model_device",
     "skips_zero_loss_rows",
 ]
 
@@ -88,6 +89,7 @@ def grpo_update(
     """
     cfg = config or UpdateConfig()
     _check_inputs(batch, cfg, ref_model)
+    batch = batch.to(model_device(model))  # the one crossing: everything below is made there
     n_groups = batch.size if batch.group_ids is None else len(torch.unique(batch.group_ids))
     micro, accumulation = _accumulation_plan(cfg, n_groups)
     slices = batch.step_slices(micro)
@@ -116,6 +118,15 @@ def grpo_update(
     history = _passes(run, accumulation, loss_targets, is_metrics, on_step)
     model.eval()
     return history
+
+
+def model_device(model) -> torch.device:
+    """Where ``model`` computes: its first parameter's device (the device of a Hugging Face
+    model, a peft wrapper, an FSDP2-sharded module's local shards)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device
+    return next(model.parameters()).device
 
 
 def _check_inputs(batch: UpdateBatch, cfg: UpdateConfig, ref_model) -> None:
@@ -204,7 +215,7 @@ def _row_tensors(
         fixed.old_logp = _old_logprobs(model, batch, cfg, nograd)  # [N, T]
     if cfg.loss.beta > 0:
         ref_model.eval()
-        fixed.ref_logp = batched_logprobs(ref_model, batch, **nograd)  # [N, T]
+        fixed.ref_logp = batched_logprobs(ref_model, batch, **nograd).to(batch.device)  # [N, T]
     if cfg.engine_correction is None:
         return fixed, {}
     c = cfg.engine_correction
@@ -234,7 +245,7 @@ def _old_logprobs(model, batch: UpdateBatch, cfg: UpdateConfig, nograd: dict) ->
 def _old_logprobs_of_live_rows(model, batch: UpdateBatch, **nograd) -> Tensor:
     """``batched_logprobs`` of the live rows only, zeros for the others (never read)."""
     live = live_rows(batch).nonzero().squeeze(-1)  # [m]
-    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32)  # [N, T]
+    out = torch.zeros(batch.completion_ids.shape, dtype=torch.float32, device=batch.device)
     if len(live):
         part = batched_logprobs(model, batch.slice(live), **nograd)  # [m, T]
         out = out.to(part.dtype)
@@ -273,7 +284,7 @@ def _passes(
         for j, idx in enumerate(slices):
             metrics = {}
             if len(idx):
-                fixed = run.fixed.rows(idx, model.device)
+                fixed = run.fixed.rows(idx)
                 mb = batch.slice(idx)
                 metrics = micro_batch(
                     model, mb, run.cfg, run.precision, fixed, run.norms[j], skip_rows=skip_rows
