@@ -110,12 +110,22 @@ class RolloutConfig(Section):
         description="hf: cap on padded tokens (rows x (longest prompt + max_completion_length)) "
         "per micro-batch, so generation memory follows tokens, not rows; None: rows only",
     )
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = Field(
+        "auto",
+        description="hf: the decode loop; dynamic (finished rows leave the batch: CPUs), "
+        "static (static KV cache, host reads every few steps), cuda_graphs (static, each step "
+        "replayed from a CUDA graph); auto: cuda_graphs on a CUDA device, else dynamic",
+    )
     check_sync: bool = Field(False, description="greedy probe after each weight sync")
     vllm: VLLMConfig = VLLMConfig()
 
     def engine_options(self, name: str) -> dict:
         if name == "hf":
-            return {"batch_size": self.batch_size, "max_batch_tokens": self.max_batch_tokens}
+            return {
+                "batch_size": self.batch_size,
+                "max_batch_tokens": self.max_batch_tokens,
+                "decode": self.hf_decode,
+            }
         return self.vllm.model_dump()
 
     def engine_spec(self, name: str | None = None) -> dict:

@@ -16,6 +16,7 @@ decoded completion contains a stop string (the completing token is kept, as in v
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -260,6 +261,56 @@ def micro_batches(
         start = end
 
 
+DECODE_MODES = ("auto", "dynamic", "static", "cuda_graphs")
+_AUTO_FAILED: set[str] = set()
+
+
+def _decode_loop(model, decode: str, stats: dict | None):
+    """The micro-batch loop ``generate`` runs for ``decode`` (see :func:`generate`)."""
+    from functools import partial
+
+    from grpo_core import static_decode
+
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {DECODE_MODES}, got {decode!r}")
+    why = static_decode.static_unsupported(model)
+    auto = decode == "auto"
+    if auto:
+        on_cuda = next(model.parameters()).device.type == "cuda"
+        decode = "cuda_graphs" if on_cuda and why is None and not _AUTO_FAILED else "dynamic"
+    elif decode != "dynamic" and why is not None:
+        raise ValueError(f"decode={decode!r} is not possible with this model: {why}")
+    if stats is not None:
+        stats["decode"] = decode
+    if decode == "dynamic":
+        return _generate_batch
+    static = partial(
+        static_decode.generate_batch_static, graphs=decode == "cuda_graphs", stats=stats
+    )
+    if decode == "cuda_graphs" and next(model.parameters()).device.type != "cuda":
+        raise ValueError("decode='cuda_graphs' needs the model on a CUDA device")
+    if not auto:
+        return static
+
+    def static_or_dynamic(*args, **kwargs):
+        """``auto``: a static loop that fails falls back to the dynamic one, for good."""
+        if _AUTO_FAILED:
+            return _generate_batch(*args, **kwargs)
+        try:
+            return static(*args, **kwargs)
+        except Exception as e:
+            _AUTO_FAILED.add(f"{type(e).__name__}: {e}"[:300])
+            logging.getLogger(__name__).warning(
+                "hf engine: static decoding failed (%s); decoding dynamically from now on",
+                next(iter(_AUTO_FAILED)),
+            )
+            if stats is not None:
+                stats["decode"] = "dynamic"
+            return _generate_batch(*args, **kwargs)
+
+    return static_or_dynamic
+
+
 def generate(
     model: PreTrainedModel,
     prompt_ids: list[list[int]],
@@ -272,11 +323,18 @@ def generate(
     tokenizer=None,
     desc: str = "generate",
     progress: bool = True,
+    decode: str = "auto",
+    stats: dict | None = None,
 ) -> list[Sample]:
     """Sample ``params.n`` completions for each tokenised prompt.
 
     Returns samples ordered by prompt then sample index. Completion ids include the EOS
     token when the sequence stopped on it. Stop strings (``params.stop``) need ``tokenizer``.
+    ``decode``: ``dynamic`` (this module's loop: finished rows leave the batch; the CPU's
+    default), ``static`` (``grpo_core.static_decode``: fixed shapes, a static KV cache, the
+    host reads every few steps), ``cuda_graphs`` (static, each decode step replayed from a
+    CUDA graph), ``auto`` (``cuda_graphs`` on a CUDA device where the model supports it, else
+    ``dynamic``). ``stats`` gets ``decode``: the mode that ran.
     """
     if not prompt_ids:
         return []
@@ -292,6 +350,7 @@ def generate(
     if params.seed is not None:
         generator = torch.Generator(device=model.device).manual_seed(params.seed)
     jobs = [(p, s) for p in range(len(prompt_ids)) for s in range(params.n)]
+    batch_fn = _decode_loop(model, decode, stats)
     was_training = model.training
     model.eval()
     samples: list[Sample] = []
@@ -302,7 +361,7 @@ def generate(
                 lengths, params.max_new_tokens, batch_size, max_batch_tokens
             ):
                 chunk = jobs[start:end]
-                ids, lps, reasons = _generate_batch(
+                ids, lps, reasons = batch_fn(
                     model,
                     [prompt_ids[p] for p, _ in chunk],
                     params,

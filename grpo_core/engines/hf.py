@@ -25,11 +25,14 @@ class HFEngine:
         *,
         batch_size: int = 512,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
+        decode: str = "auto",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.decode = decode  # grpo_core.generation.generate's decode loop
+        self.last_decode: str | None = None  # the loop the last generate() ran
 
     @classmethod
     def create(
@@ -59,7 +62,8 @@ class HFEngine:
         progress: bool = True,
     ) -> list[Sample]:
         tok = self.tokenizer
-        return generate(
+        stats: dict = {}
+        samples = generate(
             self.model,
             prompt_ids,
             params,
@@ -70,7 +74,11 @@ class HFEngine:
             tokenizer=tok,
             desc=desc,
             progress=progress,
+            decode=self.decode,
+            stats=stats,
         )
+        self.last_decode = stats.get("decode")
+        return samples
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state_dict`` into the model, unless it is the model's own tensors."""
