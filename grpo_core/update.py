@@ -105,7 +105,9 @@ def grpo_update(
             disable_dropout(ref_model)
     precision = Precision.for_model(model, bf16=cfg.bf16, fp16=cfg.fp16, scaler=scaler)
     model.train()  # old log-probs see the model exactly as the loss's forward does
-    reuse = needs_old_logprobs(
+    # the sampler's log-probs are the old ones whenever that mode is chosen, also with one
+    # optimizer step (else old = current.detach(): stale rows would train as on-policy)
+    reuse = cfg.old_logprobs == "sampler" or needs_old_logprobs(
         cfg.num_iterations, micro // accumulation, cfg.engine_correction is not None
     )
     nograd_target, loss_targets = _forward_plan(dp, batch, slices, cfg, reuse)
@@ -200,7 +202,8 @@ def _row_tensors(
     model, ref_model, batch: UpdateBatch, cfg: UpdateConfig, precision: Precision, reuse: bool
 ) -> tuple[RowTensors, dict]:
     """What every micro-batch reads, computed once for the generation batch without grad:
-    old log-probs (``reuse``: more than one on-policy step), reference log-probs (beta > 0),
+    old log-probs (``reuse``: more than one on-policy step, or the sampler's by choice),
+    reference log-probs (beta > 0),
     the engine's importance weights; and the weights' metrics."""
     fixed = RowTensors()
     if batch.size == 0:  # a rank of a data-parallel group may have no rows

@@ -184,3 +184,30 @@ def test_the_engine_correction_is_on_by_default_where_engine_and_trainer_differ(
         "rl.vllm_importance_sampling_correction=False",
     )
     assert _correction(True)[0]
+
+
+def test_sampler_old_logprobs_are_used_with_one_optimizer_step(tiny_model):
+    """TRL's default layout (one optimizer step per generation batch, num_iterations 1) with
+    old_logprobs='sampler': the ratio is against the sampler's log-probs, not 1 (issue 41)."""
+    import copy
+
+    from grpo_core.loss_config import LossConfig, UpdateConfig
+    from grpo_core.update import build_batch, grpo_update
+
+    model, tok = tiny_model
+    prompts = [[3, 12, 13, 4]] * 4
+    comps = [[5, 12, 6, 2], [5, 13, 6, 7, 2], [5, 6, 2], [5, 7, 8, 2]]
+    adv = [1.0, -1.0, 0.5, -0.5]
+    results = []
+    for shift in (0.0, -0.5):  # the sampler saw these tokens as likelier / less likely
+        m = copy.deepcopy(model)
+        samp = [[-1.0 + shift] * len(c) for c in comps]
+        batch = build_batch(prompts, comps, adv, tok.pad_token_id, group_ids=[0, 0, 1, 1],
+                            sampling_logprobs=samp)  # fmt: skip
+        cfg = UpdateConfig(loss=LossConfig(epsilon=0.2), old_logprobs="sampler")
+        hist = grpo_update(m, torch.optim.SGD(m.parameters(), lr=0.1), None, batch, cfg)
+        assert len(hist) == 1
+        results.append((hist[0]["clip_ratio/region_mean"], m.lm_head.weight.detach().clone()))
+    # ratios far from 1 are clipped, and the two sampler views give different updates
+    assert results[0][0] > 0 or results[1][0] > 0
+    assert not torch.equal(results[0][1], results[1][1])
