@@ -26,6 +26,27 @@ class LossConfig:
     delta: float | None = None
     clip_ratio_c: float | None = None
 
+    def __post_init__(self) -> None:
+        """The refusals of ``RLConfig`` for those who build this by hand (a notebook, a
+        library call): the same rule whichever way the loss is configured."""
+        if self.objective == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "objective='cispo' needs epsilon_high, the cap of the importance-sampling "
+                "weight min(ratio, epsilon_high) (MiniMax-M1, arXiv:2506.13585); without it "
+                "the cap would be epsilon (default 0.2). TRL recommends epsilon_high=5.0"
+            )
+        if self.objective == "cispo":
+            given = [n for n in ("delta", "clip_ratio_c") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} with objective='cispo': a bound of the clipped "
+                    "objective, which cispo replaces (its only bound is epsilon_high)"
+                )
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1, got {self.clip_ratio_c}")
+        if self.epsilon < 0 or (self.epsilon_high is not None and self.epsilon_high < 0):
+            raise ValueError("epsilon and epsilon_high must be >= 0")
+
 
 @dataclass(frozen=True, kw_only=True)
 class EngineCorrection:

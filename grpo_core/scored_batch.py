@@ -34,6 +34,7 @@ class ScoredRows:
         advantage are kept (a group without reward variance carries no signal)."""
         table = read_scored(path)
         columns = table.select(COLUMNS).to_pydict()
+        _check_finite(columns["advantage"], path)
         gids = group_ids(table, path)
         keep = list(range(table.num_rows))
         metrics: dict[str, float] = {}
@@ -60,3 +61,16 @@ class ScoredRows:
             group_ids=[self.group_ids[i] for i in self.keep],
             sampling_logprobs=pick("completion_logprobs") if sampling_logprobs else None,
         )
+
+
+def _check_finite(advantages: list, path) -> None:
+    """A NaN or infinite advantage would turn every weight NaN in the first step: refuse the
+    file, naming the first bad row (the scoring stage writes 0 for unscorable rows)."""
+    import math
+
+    for i, a in enumerate(advantages):
+        if a is None or not math.isfinite(a):
+            raise ValueError(
+                f"{path}: row {i}: advantage is {a!r}, expected a finite number (the scoring "
+                "stage writes 0 for rows it could not score; re-score the file with grpo score)"
+            )

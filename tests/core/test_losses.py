@@ -369,3 +369,23 @@ def test_kl_estimator_option_and_bias_correction():
         use_bias_correction_kl=True,
     )
     assert loss.item() == pytest.approx(2 * (0.5 + math.log(2) - 1))
+
+
+def test_library_configs_refuse_what_the_rl_section_refuses():
+    """LossConfig and policy_loss(**knobs) refuse as RLConfig does (issue 41): cispo without
+    its cap, the clip objective's bounds with cispo, a dual-clip bound <= 1."""
+    import pytest as _pytest
+
+    from grpo_core.loss_config import LossConfig
+    from grpo_core.losses import policy_loss
+
+    with _pytest.raises(ValueError, match="needs epsilon_high"):
+        LossConfig(objective="cispo")
+    with _pytest.raises(ValueError, match="needs epsilon_high"):
+        logp = torch.zeros(1, 2)
+        policy_loss(logp, None, torch.ones(1), torch.ones(1, 2), objective="cispo")
+    with _pytest.raises(ValueError, match="delta with objective='cispo'"):
+        LossConfig(objective="cispo", epsilon_high=5.0, delta=1.5)
+    with _pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        LossConfig(clip_ratio_c=0.5)
+    assert LossConfig(objective="cispo", epsilon_high=5.0).epsilon_high == 5.0
