@@ -1,93 +1,155 @@
-"""The first-GPU check: the paths that have never run on a GPU, in one short script, one table.
+"""The GPU check: every training path of the pipeline on one GPU, in a few minutes, one table.
 
-    bash benchmarks/gpu_bench.sh            # installs the vllm extra, then runs this
-    python benchmarks/gpu_check.py --plan   # the legs and their settings, without running
+    bash benchmarks/gpu_bench.sh [--wheelhouse DIR] [--quick]   # installs what lacks, runs this
+    python benchmarks/gpu_check.py [--out DIR] [--legs LEG ...] [--jobs N] [--quick] [--plan]
 
-Each leg is `grpo run --config configs/gpu.yaml` at a tiny budget (SmolLM2-135M-Instruct
-from PyPI, generated GSM8K-style problems; 10 SFT steps, 2 + 1 RL iterations of 16 prompts x
-4, 64-token completions, 32 eval problems) with the leg's settings:
+Each ``grpo run`` leg is the whole recipe (prepare, cold-start SFT, rl_1 with held-out evals,
+rejection sampling, re-SFT, rl_2, the final eval) on the embedded demo (configs/demo.yaml: a
+1M-parameter Qwen2 and 3-digit additions, offline) at a tiny budget, ``model.device=auto``,
+with the leg's settings:
 
-- ``vllm-fp32-sync``: vLLM in float32, ``rollout.check_sync: true`` (after every weight sync a
-  greedy probe must give the trainer's tokens), training in float32;
-- ``vllm-bf16-sleep``: the preset as shipped (bf16 vLLM colocated, sleep mode, the engine
-  importance-sampling correction on by ``auto``) plus ``rollout.vllm.offload_optimizer``;
-- ``lora-vllm``: ``model.lora`` (r 16) with bf16 vLLM (merged weights synced);
-- ``lora-vllm-adapter``: the same with ``rollout.vllm.lora_sync: adapter`` (vLLM on the base,
-  each policy's adapter as a LoRA request);
-- ``fsdp-2gpu`` (2 GPUs or more, else skipped with a line): ``torchrun --nproc-per-node 2 -m
-  flows.ddp_update --strategy fsdp`` on the first leg's last scored file, nccl, gradient
-  checkpointing on, AdamW as CUDA runs it (multi-tensor);
-- ``ray-bus-2gpu`` (2 GPUs or more, else skipped with a line): ``benchmarks/bench_weight_sync.py
-  --gpus``: a trainer rank and an hf replica on a GPU each, the policy (120 M parameters)
-  broadcast over NCCL against the replica reading the checkpoint; the replica's weights must
-  hash to the trainer's policy_id;
-- ``cuda-tests``: ``pytest tests/gpu`` (optimizer offload moves and restores the moments).
+- ``fp32``: as shipped; ``bf16``: ``rl.bf16`` + ``sft.bf16`` (autocast, float32 master
+  weights); ``fp16``: ``rl.fp16`` + ``sft.fp16`` (autocast with a GradScaler; CUDA only);
+- ``lora``: ``model.lora`` (r 8, alpha 16); ``qlora``: the same on 4-bit NF4 base weights
+  (``model.load_in_4bit``; CUDA and bitsandbytes only);
+- ``grad-ckpt``: ``model.gradient_checkpointing``; ``token-budget``: SFT and RL micro-batches
+  cut into chunks of at most 256 padded tokens (``*.max_tokens_per_microbatch``);
+- ``async-1`` / ``async-2``: ``rl.async_level`` 1 and 2 (the engine in a process of its own,
+  on the same GPU, sampling with a policy 1 or 2 updates behind);
+- ``vllm-fp32-sync``, ``vllm-bf16-offload`` (optimizer offload: AdamW's state in CPU memory
+  while vLLM generates), ``lora-vllm``, ``lora-vllm-adapter``: vLLM rollouts colocated
+  (skipped with a line when vllm does not import).
 
-The table: leg, exit status, wall seconds, and from each RL stage's MLflow run the peak
-``torch.cuda.max_memory_allocated`` of its updates (GiB), rollout tokens/s and update seconds
-per iteration, and SFT's peak. Logs go to ``$OUT/<leg>.log``. Meant to finish in under 10
-minutes on one H200 after the install; ``--legs`` picks some.
+Other legs: ``fsdp-1gpu`` / ``fsdp-2gpu``: ``torch.distributed.run --standalone -m
+flows.ddp_update --strategy fsdp`` (FSDP2, gradient checkpointing, bf16) on a scored file of
+the ``fp32`` leg, one rank, and two (skipped with fewer than 2 GPUs); ``cuda-tests``: ``pytest
+tests/gpu`` (optimizer offload moves and restores AdamW's moments); ``probe-0.4b`` and
+``vs-trl-0.4b``: benchmarks/gpu_probe.py (generation and update throughput at Qwen2.5-0.5B's
+shape and the share of the GPU's bf16 peak; our RL loop against TRL's GRPOTrainer, HF
+generation on both sides).
+
+Independent legs run ``--jobs`` at a time on the GPU, each under ``--timeout`` seconds with
+its log in ``OUT/<leg>.log``; the table (leg, exit status, wall s, peak GiB, rollout and
+update tokens/s, share of bf16 peak) goes to stdout, ``OUT/gpu_check.md`` and ``.json``, and
+the last lines of every log to ``OUT/all_logs.txt``. ``--quick``: the smallest budgets, a
+toy probe, for a CPU dry run (CUDA-only legs print why they skip). Exit status 1 when a leg
+failed (a skip is not a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+CONFIG = "configs/demo.yaml"
+# the whole recipe at a tiny budget: every stage runs, the held-out evals included
 BUDGET = [
-    "sft.max_steps=10", "sft.eval_every=1000", "sft.batch_size=8",
+    "model.device=auto",
+    "data.demo.n_sft=256", "data.demo.n_rl=1024", "data.demo.n_dev=32", "data.demo.n_eval=32",
+    "sft.max_steps=40", "sft.min_steps=0", "sft.target_accuracy=null", "sft.eval_every=1000",
+    "sft.checkpoint_every=0",
     "rl.iterations=2", "rl.prompts_per_iteration=16", "rl.num_generations=4",
-    "rl.steps_per_generation=2", "rl.gradient_accumulation_steps=1",
-    "rl.max_completion_length=64", "rl.eval_every=2",
-    "rejection_sampling.num_prompts=32", "rejection_sampling.max_completion_length=64",
-    "re_sft.max_steps=5", "rl_2.iterations=1",
-    "eval.max_completion_length=64", "eval.num_examples=32",
-    "rollout.vllm.max_model_len=512", "rollout.vllm.enforce_eager=true",
+    "rl.steps_per_generation=2", "rl.eval_every=1",
+    "rejection_sampling.num_prompts=32", "rejection_sampling.require=[]",
+    "re_sft.max_steps=5", "rl_2.iterations=2", "eval.num_examples=32",
 ]  # fmt: skip
+QUICK = ["sft.max_steps=10", "rl.prompts_per_iteration=8", "eval.num_examples=16",
+         "rejection_sampling.num_prompts=16"]  # fmt: skip
+LORA = ["model.lora={r: 8, alpha: 16}", "rl.learning_rate=1.0e-3"]
+VLLM = ["rollout.engine=vllm", "rollout.vllm.max_model_len=256", "rollout.vllm.enforce_eager=true",
+        "rollout.vllm.gpu_memory_utilization=0.1"]  # fmt: skip
 LEGS = {
-    "vllm-fp32-sync": [
-        "rollout.vllm.dtype=float32", "rollout.check_sync=true",
-        "rl.bf16=false", "sft.bf16=false", "re_sft.bf16=false",
+    "fp32": [],
+    "bf16": ["rl.bf16=true", "sft.bf16=true"],
+    "fp16": ["rl.fp16=true", "sft.fp16=true"],
+    "lora": LORA,
+    "qlora": [*LORA, "model.load_in_4bit=true"],
+    "grad-ckpt": ["model.gradient_checkpointing=true"],
+    "token-budget": ["rl.max_tokens_per_microbatch=256", "sft.max_tokens_per_microbatch=256"],
+    "async-1": ["rl.async_level=1"],
+    "async-2": ["rl.async_level=2"],
+    "vllm-fp32-sync": [*VLLM, "rollout.vllm.dtype=float32", "rollout.check_sync=true"],
+    "vllm-bf16-offload": [
+        *VLLM, "rollout.vllm.dtype=bfloat16", "rollout.vllm.enable_sleep_mode=true",
+        "rollout.vllm.offload_optimizer=true", "rl.bf16=true", "sft.bf16=true",
     ],
-    "vllm-bf16-sleep": ["rollout.vllm.offload_optimizer=true"],
-    "lora-vllm": ["model.lora={r: 16, alpha: 32}", "rl.learning_rate=1.0e-5"],
-    "lora-vllm-adapter": [
-        "model.lora={r: 16, alpha: 32}", "rl.learning_rate=1.0e-5",
-        "rollout.vllm.lora_sync=adapter",
-    ],
+    "lora-vllm": [*VLLM, *LORA, "rollout.vllm.dtype=bfloat16"],
+    "lora-vllm-adapter": [*VLLM, *LORA, "rollout.vllm.dtype=bfloat16",
+                          "rollout.vllm.lora_sync=adapter"],
 }  # fmt: skip
+CUDA_ONLY = {"fp16", "qlora"}
+OTHER = ["fsdp-1gpu", "fsdp-2gpu", "cuda-tests", "probe-0.4b", "vs-trl-0.4b"]
+AFTER = {"fsdp-1gpu": "fp32", "fsdp-2gpu": "fp32"}  # reads a scored file of that leg
+TAIL_LINES = 60
 
 
-def run_overrides(leg: str, out: Path, model: Path, data: Path) -> list[str]:
+def run_overrides(leg: str, out: Path, quick: bool = False) -> list[str]:
     """Every ``--set`` of one `grpo run` leg."""
-    where = [
-        f"run_name={leg}", f"output_dir={out / leg}",
-        f"tracking.uri=sqlite:///{out / leg}.db", f"model.path={model}",
-        f"data.sft_path={data}::train", f"data.rl_path={data}::train",
-        f"data.eval_path={data}::test",
-    ]  # fmt: skip
-    return [*where, *BUDGET, *LEGS[leg]]
+    where = [f"run_name={leg}", f"output_dir={out / leg}", f"tracking.uri=sqlite:///{out / leg}.db"]
+    return [*where, *BUDGET, *(QUICK if quick else []), *LEGS[leg]]
 
 
-def _run(cmd: list[str], log: Path, timeout: int, env: dict | None = None) -> tuple[int, float]:
+def _imports(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def skip_reason(leg: str) -> str | None:
+    """Why ``leg`` cannot run on this machine, or None."""
+    gpus = _gpus()
+    if leg in CUDA_ONLY and not gpus:
+        return "skipped: no CUDA"
+    if leg == "qlora" and not _imports("bitsandbytes"):
+        return "skipped: bitsandbytes does not import"
+    if "vllm" in leg and not _imports("vllm"):
+        return "skipped: vllm does not import"
+    if leg == "fsdp-2gpu" and gpus < 2:
+        return f"skipped: {gpus} GPU(s), needs 2"
+    if leg == "vs-trl-0.4b" and not _imports("trl"):
+        return "skipped: trl does not import"
+    return None
+
+
+def _run(cmd: list[str], log: Path, timeout: int) -> tuple[int, float]:
     t0 = time.perf_counter()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + [str(REPO)]
+        ),
+    }
     with log.open("w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
         try:
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
                                 cwd=REPO, env=env).returncode  # fmt: skip
         except subprocess.TimeoutExpired:
             rc = 124
+            f.write(f"\ngpu_check: timed out after {timeout} s\n")
     return rc, time.perf_counter() - t0
 
 
 def stage_numbers(db: Path) -> dict[str, dict]:
-    """From a leg's MLflow store: per stage run, peak GiB, rollout tok/s, update s."""
+    """From a leg's MLflow store, per stage run: peak GiB, rollout tok/s, update s/iteration,
+    and update tok/s (completion tokens trained per update second)."""
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{db}")
@@ -99,12 +161,31 @@ def stage_numbers(db: Path) -> dict[str, dict]:
                 continue  # the pipeline's parent run, eval blocks ("rl_1 it 0-4"), ...
             m = run.data.metrics
             peak = [v for k, v in m.items() if k.endswith("peak_memory_gib")]
-            out[name] = {
+            rid = run.info.run_id
+            row = {
                 "peak_gib": max(peak) if peak else None,
-                "rollout_tok_s": _mean(client, run.info.run_id, "train/rollout/tokens_per_s"),
-                "update_s": _mean(client, run.info.run_id, "train/timing/update_s"),
+                "rollout_tok_s": _mean(client, rid, "train/rollout/tokens_per_s"),
+                "update_s": _mean(client, rid, "train/timing/update_s"),
             }
+            lengths = _mean(client, rid, "train/completions/mean_length")
+            per_iter = _param(run, "prompts_per_iteration", "num_generations")
+            if lengths and per_iter and row["update_s"]:
+                row["update_tok_s"] = lengths * per_iter / row["update_s"]
+            out[name] = row
     return out
+
+
+def _param(run, *keys: str) -> float | None:
+    """The product of numeric run params (the stage's config as logged), None if absent."""
+    p = run.data.params
+    try:
+        values = [float(p[k]) for k in keys]
+    except (KeyError, ValueError):
+        return None
+    n = 1.0
+    for v in values:
+        n *= v
+    return n
 
 
 def _mean(client, run_id: str, key: str) -> float | None:
@@ -116,96 +197,188 @@ def _fmt(x, spec=".1f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def grpo_leg(leg: str, out: Path, model: Path, data: Path, timeout: int) -> list[dict]:
-    cmd = ["grpo", "run", "--config", "configs/gpu.yaml"]
-    for o in run_overrides(leg, out, model, data):
-        cmd += ["--set", o]
-    rc, wall = _run(cmd, out / f"{leg}.log", timeout)
-    numbers = stage_numbers(out / f"{leg}.db") if (out / f"{leg}.db").exists() else {}
-    rows = [{"leg": leg, "stage": "(all)", "rc": rc, "wall_s": wall}]
-    rows += [{"leg": leg, "stage": s, **v} for s, v in sorted(numbers.items())]
-    return rows
+class Check:
+    def __init__(self, out: Path, timeout: int, quick: bool):
+        self.out, self.timeout, self.quick = out, timeout, quick
+        self.done: dict[str, threading.Event] = {}
 
+    def leg(self, leg: str) -> list[dict]:
+        reason = skip_reason(leg)
+        if reason:
+            (self.out / f"{leg}.log").write_text(reason + "\n")
+            print(f"gpu_check: {leg}: {reason}", flush=True)
+            return [{"leg": leg, "stage": reason, "rc": None}]
+        if leg in AFTER and AFTER[leg] in self.done:
+            self.done[AFTER[leg]].wait()
+        print(f"gpu_check: {leg} ...", flush=True)
+        try:
+            if leg in LEGS:
+                rows = self.grpo_leg(leg)
+            elif leg.startswith("fsdp-"):
+                rows = self.fsdp_leg(leg, 1 if leg == "fsdp-1gpu" else 2)
+            elif leg == "cuda-tests":
+                cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu",
+                       "tests/engines/test_static_decode.py"]  # fmt: skip
+                rc, wall = _run(cmd, self.out / f"{leg}.log", self.timeout)
+                rows = [
+                    {
+                        "leg": leg,
+                        "stage": "pytest tests/gpu + static decode",
+                        "rc": rc,
+                        "wall_s": wall,
+                    }
+                ]
+            else:
+                rows = self.probe_leg(leg)
+        finally:
+            if leg in self.done:
+                self.done[leg].set()
+        print(f"gpu_check: {leg}: exit {rows[0].get('rc')}, {rows[0].get('wall_s', 0):.0f} s",
+              flush=True)  # fmt: skip
+        return rows
 
-def fsdp_leg(out: Path, model: Path, timeout: int) -> list[dict]:
-    import torch
+    def grpo_leg(self, leg: str) -> list[dict]:
+        cmd = [sys.executable, "-m", "flows.cli", "run", "--config", CONFIG]
+        for o in run_overrides(leg, self.out, self.quick):
+            cmd += ["--set", o]
+        rc, wall = _run(cmd, self.out / f"{leg}.log", self.timeout)
+        db = self.out / f"{leg}.db"
+        numbers = {}
+        if db.exists():
+            try:
+                numbers = stage_numbers(db)
+            except Exception as e:  # the table must come out whatever a leg left behind
+                print(f"gpu_check: {leg}: could not read {db}: {e}", flush=True)
+        rows = [{"leg": leg, "stage": "(all)", "rc": rc, "wall_s": wall}]
+        rows += [{"leg": leg, "stage": s, **v} for s, v in sorted(numbers.items())]
+        return rows
 
-    if torch.cuda.device_count() < 2:
-        n = torch.cuda.device_count()
-        return [{"leg": "fsdp-2gpu", "stage": f"skipped: {n} GPU(s), needs 2", "rc": None}]
-    scored = sorted((out / "vllm-fp32-sync").rglob("rl_1/iter_*/scored.parquet"))
-    if not scored:
-        return [{"leg": "fsdp-2gpu", "stage": "skipped: no scored file from vllm-fp32-sync"}]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "flows.ddp_update", "--strategy", "fsdp", "--policy", str(model),
-           "--scored", str(scored[-1]), "--out", str(out / "fsdp-update"),
-           "--config", "configs/gpu.yaml", "--set", "rl.bf16=true"]  # fmt: skip
-    rc, wall = _run(cmd, out / "fsdp-2gpu.log", timeout)
-    row = {"leg": "fsdp-2gpu", "stage": "update", "rc": rc, "wall_s": wall}
-    if rc == 0:
-        summary = json.loads((out / "fsdp-2gpu.log").read_text().strip().splitlines()[-1])
-        row["stage"] = f"update ({summary['steps']} steps, world {summary['world_size']})"
-    return [row]
+    def fsdp_leg(self, leg: str, ranks: int) -> list[dict]:
+        src = self.out / AFTER[leg]
+        scored = sorted(src.rglob("rl_1/iter_*/scored.parquet")) or sorted(
+            src.rglob("scored.parquet")
+        )
+        policy = sorted(src.rglob("checkpoints/cold_start_sft"))
+        if not scored or not policy:
+            return [{"leg": leg, "stage": f"failed: no scored file / checkpoint in {src}", "rc": 1}]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(ranks), "-m", "flows.ddp_update", "--strategy", "fsdp",
+               "--policy", str(policy[0]), "--scored", str(scored[-1]),
+               "--out", str(self.out / f"{leg}-update"), "--config", CONFIG,
+               "--set", f"output_dir={self.out / leg}", "--set", "model.gradient_checkpointing=true",
+               "--set", "rl.steps_per_generation=2"]  # fmt: skip
+        if _gpus():
+            cmd += ["--set", "rl.bf16=true", "--set", "rl.optim=adamw_torch_fused"]
+        rc, wall = _run(cmd, self.out / f"{leg}.log", self.timeout)
+        row = {"leg": leg, "stage": "update", "rc": rc, "wall_s": wall}
+        if rc == 0:
+            try:
+                lines = (self.out / f"{leg}.log").read_text().strip().splitlines()
+                summary = json.loads(lines[-1])
+                row["stage"] = f"update ({summary['steps']} steps, world {summary['world_size']})"
+            except (ValueError, KeyError, IndexError):
+                pass
+        return [row]
 
-
-def bus_leg(out: Path, timeout: int) -> list[dict]:
-    import torch
-
-    if torch.cuda.device_count() < 2:
-        n = torch.cuda.device_count()
-        return [{"leg": "ray-bus-2gpu", "stage": f"skipped: {n} GPU(s), needs 2", "rc": None}]
-    cmd = [sys.executable, "benchmarks/bench_weight_sync.py", "--gpus", "--replicas", "1",
-           "--ray-cpus", "4"]  # fmt: skip
-    rc, wall = _run(cmd, out / "ray-bus-2gpu.log", timeout)
-    return [{"leg": "ray-bus-2gpu", "stage": "weight sync (table in its log)", "rc": rc,
-             "wall_s": wall}]  # fmt: skip
+    def probe_leg(self, leg: str) -> list[dict]:
+        what = "probe" if leg == "probe-0.4b" else "vs-trl"
+        result = self.out / f"{leg}.json"
+        cmd = [sys.executable, "benchmarks/gpu_probe.py", what, "--out", str(result)]
+        rc, wall = _run(cmd + (["--quick"] if self.quick else []), self.out / f"{leg}.log",
+                        self.timeout)  # fmt: skip
+        rows = [{"leg": leg, "stage": "(all)", "rc": rc, "wall_s": wall}]
+        if rc == 0 and result.exists():
+            for r in json.loads(result.read_text()):
+                stage = r.get("side") or r["kind"]
+                if r.get("wall_vs_ours"):
+                    stage += f" (wall {r['wall_vs_ours']:.2f}x ours)"
+                if r["kind"] == "vs-trl":
+                    r["update_tok_s"] = r["completion_tokens"] / max(r["update_s"], 1e-9)
+                    r["rollout_tok_s"] = r["completion_tokens"] / max(r["generation_s"], 1e-9)
+                rows.append({"leg": leg, "stage": stage, "wall_s": r.get("wall_s", r.get("seconds")),
+                             **{k: r.get(k) for k in ("peak_gib", "rollout_tok_s", "update_tok_s",
+                                                      "bf16_share")}})  # fmt: skip
+        return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = "| leg | stage | exit | wall s | peak GiB | rollout tok/s | update s/iter |"
-    lines = [head, "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| leg | stage | exit | wall s | peak GiB | rollout tok/s | update tok/s | share of bf16 peak |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
+        share = r.get("bf16_share")
         lines.append(
             f"| {r['leg']} | {r['stage']} | {_fmt(r.get('rc'), 'd')} | {_fmt(r.get('wall_s'))} "
             f"| {_fmt(r.get('peak_gib'), '.2f')} | {_fmt(r.get('rollout_tok_s'), '.0f')} "
-            f"| {_fmt(r.get('update_s'), '.2f')} |"
+            f"| {_fmt(r.get('update_tok_s'), '.0f')} "
+            f"| {'-' if share is None else f'{100 * share:.1f}%'} |"
         )
     return "\n".join(lines)
 
 
+def all_logs(out: Path, legs: list[str], lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of every leg's log, one file to read a failure from."""
+    parts = []
+    for leg in legs:
+        log = out / f"{leg}.log"
+        text = log.read_text(errors="replace").replace("\r", "\n") if log.exists() else "(no log)"
+        tail = [x for x in text.splitlines() if x.strip()][-lines:]
+        parts.append(
+            f"===== {leg} (last {len(tail)} lines of {log.name}) =====\n" + "\n".join(tail)
+        )
+    return "\n\n".join(parts) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
-    ap.add_argument("--model", help="a save_pretrained dir (default: $OUT/models/smollm2)")
-    ap.add_argument("--data", help="a save_to_disk dataset dir (default: generated)")
-    ap.add_argument("--legs", nargs="*", default=[*LEGS, "fsdp-2gpu", "ray-bus-2gpu", "cuda-tests"])
-    ap.add_argument("--timeout", type=int, default=240, help="seconds per leg")
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out/gpu_check"))
+    ap.add_argument("--legs", nargs="*", default=[*LEGS, *OTHER])
+    ap.add_argument("--jobs", type=int, default=4, help="legs at a time")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per leg")
+    ap.add_argument("--quick", action="store_true", help="smallest budgets: a CPU dry run")
     ap.add_argument("--plan", action="store_true", help="print the legs' settings and exit")
     args = ap.parse_args(argv)
+    unknown = [g for g in args.legs if g not in LEGS and g not in OTHER]
+    if unknown:
+        ap.error(f"unknown legs {unknown}; known: {[*LEGS, *OTHER]}")
     out = Path(args.out).resolve()
-    model = Path(args.model or out / "models" / "smollm2-135m-instruct")
-    data = Path(args.data or out / "gsm8k-like")
     if args.plan:
-        for leg in (g for g in args.legs if g in LEGS):
-            print(leg, " ".join(run_overrides(leg, out, model, data)))
+        for leg in args.legs:
+            if leg in LEGS:
+                print(leg, " ".join(run_overrides(leg, out, args.quick)))
+            else:
+                print(leg, f"(after {AFTER[leg]})" if leg in AFTER else "")
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    rows: list[dict] = []
-    for leg in args.legs:
-        print(f"gpu_check: {leg} ...", flush=True)
-        if leg in LEGS:
-            rows += grpo_leg(leg, out, model, data, args.timeout)
-        elif leg == "fsdp-2gpu":
-            rows += fsdp_leg(out, model, args.timeout)
-        elif leg == "ray-bus-2gpu":
-            rows += bus_leg(out, args.timeout)
-        elif leg == "cuda-tests":
-            cmd = [sys.executable, "-m", "pytest", "-q", "tests/gpu"]
-            rc, wall = _run(cmd, out / "cuda-tests.log", args.timeout)
-            rows.append({"leg": leg, "stage": "pytest tests/gpu", "rc": rc, "wall_s": wall})
-    print(table(rows))
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no CUDA"
+    print(f"gpu_check: torch {torch.__version__}, {gpu}, {len(args.legs)} legs, "
+          f"{args.jobs} at a time, {args.timeout} s each", flush=True)  # fmt: skip
+    check = Check(out, args.timeout, args.quick)
+    check.done = {AFTER[g]: threading.Event() for g in args.legs if g in AFTER}
+    t0 = time.perf_counter()
+    # the legs others wait for first, the waiting ones last: no slot idles on a wait
+    order = sorted(args.legs, key=lambda g: (g not in check.done, g in AFTER))
+    results: dict[str, list[dict]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = {pool.submit(check.leg, g): g for g in order}
+        for future in as_completed(futures):
+            results[futures[future]] = future.result()
+            done = [r for leg in args.legs for r in results.get(leg, [])]
+            (out / "gpu_check.md").write_text(f"(partial: {len(results)} legs)\n\n{table(done)}\n")
+    rows = [r for leg in args.legs for r in results[leg]]
+    text = table(rows)
+    head = f"GPU check: torch {torch.__version__}, {gpu}; {time.perf_counter() - t0:.0f} s wall"
+    print("\n" + head + "\n\n" + text)
+    (out / "gpu_check.md").write_text(head + "\n\n" + text + "\n")
     (out / "gpu_check.json").write_text(json.dumps(rows, indent=1))
-    return 0 if all(r.get("rc") in (0, None) for r in rows) else 1
+    (out / "all_logs.txt").write_text(all_logs(out, args.legs))
+    failed = [r["leg"] for r in rows if r.get("rc") not in (0, None)]
+    if failed:
+        print(f"gpu_check: failed: {' '.join(dict.fromkeys(failed))} (logs: {out}/all_logs.txt)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

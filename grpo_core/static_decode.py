@@ -73,6 +73,13 @@ class _Step:
         self.mode = "cuda_graphs" if self.graphs else "static"
 
     def _forward(self) -> torch.Tensor:
+        dev = self.keys.device.type
+        if torch.is_autocast_enabled(dev):  # a graph must not keep autocast's cached casts
+            with torch.autocast(dev, torch.get_autocast_dtype(dev), cache_enabled=False):
+                return self._model_forward()
+        return self._model_forward()
+
+    def _model_forward(self) -> torch.Tensor:
         mask = _mask(self.keys[:, None, None, :], self.impl, self.dtype)  # [B, 1, 1, K]
         extra = {"cache_position": self.cpos} if self.extra.get("cache_position") else {}
         return self.model(
