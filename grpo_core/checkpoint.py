@@ -266,6 +266,17 @@ def dtype_name(model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
+COMPUTE_DTYPE_ATTR = "grpo_compute_dtype"  # set by a wrapper that computes in another dtype
+
+
+def compute_dtype_name(model) -> str:
+    """The dtype ``model`` computes in: its parameters', unless a wrapper casts them for the
+    forward (FSDP2's ``param_dtype``, ``cluster.trainer.fsdp_param_dtype``, records itself
+    under ``COMPUTE_DTYPE_ATTR``): float32 master weights computing in bf16 are not a float32
+    trainer, and the ``auto`` old-log-prob and engine-correction rules must see that."""
+    return getattr(model, COMPUTE_DTYPE_ATTR, None) or dtype_name(model)
+
+
 def resolve_model_path(value: str | Path, field: str = "model.path") -> Path:
     """A ``save_pretrained`` directory, or a hub id resolved to its snapshot in the local
     Hugging Face cache (``local_files_only``: nothing is downloaded)."""

@@ -111,6 +111,10 @@ class ShardedDataParallel(DataParallel):
         # would also count its recomputation in backward (gradient checkpointing)
         self._hooked = [model.get_decoder().register_forward_pre_hook(self._count)]
         self.forwards = 0
+        if self.param_dtype is not None:  # the auto rules see the compute dtype (checkpoint.py)
+            from grpo_core.checkpoint import COMPUTE_DTYPE_ATTR
+
+            setattr(model, COMPUTE_DTYPE_ATTR, self.param_dtype)
 
     def _mp(self) -> dict:
         """``fully_shard``'s mixed-precision policy: layers gathered and run in

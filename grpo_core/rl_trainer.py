@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from grpo_core.checkpoint import dtype_name, policy_id
+from grpo_core.checkpoint import compute_dtype_name, policy_id
 from grpo_core.config import RLConfig
 from grpo_core.memory import PeakMemory
 from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
@@ -87,7 +87,7 @@ def engine_correction_for(
     on, why = engine_correction_choice(
         rl.vllm_importance_sampling_correction,
         file_meta=read_metadata_of(rows.table),
-        model_dtype=dtype_name(model),
+        model_dtype=compute_dtype_name(model),
         bf16=rl.bf16,
         fp16=rl.fp16,
         quantized=quantized,
@@ -108,7 +108,7 @@ def old_logprobs_for(
         policy_ids=set(rows.table.column("policy_id").unique().to_pylist()),
         policy_id=policy,
         temperature=rl.temperature,
-        model_dtype=dtype_name(model),
+        model_dtype=compute_dtype_name(model),
         bf16=rl.bf16,
         fp16=rl.fp16,
         quantized=quantized,

@@ -267,7 +267,22 @@ def bf16_update(checkpoint: str, data_parallel=None) -> dict:
     out = {"losses": [h["loss"] for h in history], "ran_in": sorted(seen)}
     out["shards"] = sorted({str(p.dtype) for p in model.parameters()})
     out["moments"] = sorted({str(s["exp_avg"].dtype) for s in opt.state.values()})
+    out["auto"] = auto_decisions(model)
     return out
+
+
+def auto_decisions(model) -> dict:
+    """What the ``auto`` rules decide for a file the hf engine sampled in float32 with the
+    policy being updated, as they see ``model`` (its compute dtype) without autocast."""
+    from grpo_core.checkpoint import compute_dtype_name
+    from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
+
+    meta = {"engine": "hf", "dtype": "float32", "sampling": {"temperature": 1.0}}
+    dtype = compute_dtype_name(model)
+    correction, _ = engine_correction_choice("auto", file_meta=meta, model_dtype=dtype)
+    source, _ = old_logprobs_source("auto", file_meta=meta, policy_ids={"p"}, policy_id="p",
+                                    temperature=1.0, model_dtype=dtype)  # fmt: skip
+    return {"compute_dtype": dtype, "correction": correction, "old_logprobs": source}
 
 
 def run_bf16_sharded(data_parallel, checkpoint: str, out_dir: str) -> None:

@@ -63,8 +63,9 @@ def test_layers_gathered_in_bf16_keep_float32_shards_and_state(tiny_checkpoint, 
     """``cluster.trainer.fsdp_param_dtype: bfloat16`` (FSDP2's MixedPrecisionPolicy): the
     layers run in bf16 (half the all-gather bytes), the shards, AdamW moments and gradient
     reduction stay float32, and the losses follow the one-process bf16-autocast update's."""
-    from ddp_cases import bf16_update, run_bf16_sharded
+    from ddp_cases import auto_decisions, bf16_update, run_bf16_sharded
 
+    from grpo_core.checkpoint import load_checkpoint
     from grpo_core.distributed import spawn
 
     one = bf16_update(str(tiny_checkpoint))
@@ -75,3 +76,11 @@ def test_layers_gathered_in_bf16_keep_float32_shards_and_state(tiny_checkpoint, 
         assert r["shards"] == r["moments"] == ["torch.float32"]
         assert r["losses"] == pytest.approx(one["losses"], rel=2e-2)
     assert ranks[0]["losses"] == ranks[1]["losses"]
+    # the auto rules see the bf16 compute, not the float32 shards (issue 41): a float32 hf
+    # file is not the trainer's numbers, so old log-probs are recomputed and the correction on
+    for r in ranks:
+        assert r["auto"] == {"compute_dtype": "bfloat16", "correction": True,
+                             "old_logprobs": "recompute"}  # fmt: skip
+    model, _ = load_checkpoint(str(tiny_checkpoint))
+    assert auto_decisions(model) == {"compute_dtype": "float32", "correction": False,
+                                     "old_logprobs": "sampler"}  # fmt: skip
