@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from grpo_core.distributed import DataParallel
+from grpo_core.parallel import ranks_prepare
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -73,7 +74,7 @@ class ShardedDataParallel(DataParallel):
                 "rl.fp16 with cluster.trainer.strategy: fsdp is not supported (the loss "
                 "scaler is not sharded); use rl.bf16"
             )
-        return super().prepare(cfg)
+        return ranks_prepare(cfg, skipped_entropy=False)
 
     def prepare_model(self, model: torch.nn.Module, *, lora: bool = False) -> bool:
         """Shard the model's decoder layers the first time this rank trains it (a reloaded

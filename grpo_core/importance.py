@@ -90,9 +90,11 @@ def engine_importance_weights(
 
     on = mask.bool()  # [B, T]
     gap = (old_logp - sampling_logp).abs()[on]  # [M]
-    flat_w = w.flatten() if sequence_level else w[on]  # [B] or [M]
-    flat_out = out.flatten() if sequence_level else out[on]  # [B] or [M]
+    rows_on = on.any(-1)  # [B] a row without a counted token has no weight to report
+    flat_w = w[rows_on].flatten() if sequence_level else w[on]  # [B'] or [M]
+    flat_out = out[rows_on].flatten() if sequence_level else out[on]  # [B'] or [M]
     metrics = {
+        **_spread("sampling/importance_sampling_ratio", flat_w),
         "sampling/sampling_logp_difference/mean": gap.mean().item() if gap.numel() else 0.0,
         "sampling/sampling_logp_difference/max": gap.max().item() if gap.numel() else 0.0,
         "sampling/importance_sampling_ratio/min": flat_w.min().item() if flat_w.numel() else 0.0,
@@ -103,3 +105,70 @@ def engine_importance_weights(
         ),
     }
     return w, metrics
+
+
+BEHAVIOUR_WEIGHT_MODES = ("token_mask", "token_truncate")
+NEAR_ZERO = 0.01  # a weight under this: the token barely trains (metric near_zero_share)
+
+
+def behaviour_weights(
+    prox_logp: Tensor,
+    sampling_logp: Tensor,
+    mask: Tensor,
+    *,
+    mode: str = "token_mask",
+    cap: float = 5.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token behaviour weights of rows sampled by an older policy, and their metrics.
+
+    AReaL's decoupled PPO objective (Fu et al. 2025, arXiv:2505.24298, eq. 5; its
+    ``behav_imp_weight``): the clip is around the proximal policy ``pi_prox`` (the policy
+    being updated, whose no-grad log-probs are ``prox_logp``), and each token's loss is
+    multiplied by ``w_t = pi_prox(o_t) / mu(o_t)``, ``mu`` the sampler (``sampling_logp``).
+    ``token_mask`` (AReaL's ``behav_imp_weight_cap``): tokens with ``w_t > cap`` get weight 0;
+    ``token_truncate`` (truncated IS): ``min(w_t, cap)``. Token level, unlike a sequence
+    product: a long completion's weight does not decay with its length.
+
+    Returns weights ``[B, T]`` (detached, 0 on padding) and ``sampling/behaviour_weight/*``:
+    ``min``, ``mean``, ``max``, ``capped_share`` (tokens above the cap), ``ess`` (the effective
+    sample size over counted tokens divided by their number, ``(sum w)^2 / (n sum w^2)``: 1 when
+    every weight is equal, near 0 when a few tokens carry the batch), ``near_zero_share``
+    (tokens with a weight under ``NEAR_ZERO``).
+    """
+    if mode not in BEHAVIOUR_WEIGHT_MODES:
+        raise ValueError(f"mode must be one of {BEHAVIOUR_WEIGHT_MODES}, got {mode!r}")
+    if not cap > 0:
+        raise ValueError(f"the behaviour weight cap must be > 0, got {cap}")
+    on = mask.bool()  # [B, T]
+    log_w = (prox_logp.detach().float() - sampling_logp.detach().float()).masked_fill(~on, 0.0)
+    w = torch.exp(log_w)  # [B, T]
+    over = (w > cap) & on  # [B, T]
+    w = w.masked_fill(over, 0.0) if mode == "token_mask" else w.clamp(max=cap)
+    w = w.masked_fill(~on, 0.0)  # [B, T]
+    counted = w[on]  # [M]
+    metrics = {
+        "sampling/behaviour_weight/min": counted.min().item() if counted.numel() else 0.0,
+        "sampling/behaviour_weight/mean": counted.mean().item() if counted.numel() else 0.0,
+        "sampling/behaviour_weight/max": counted.max().item() if counted.numel() else 0.0,
+        "sampling/behaviour_weight/capped_share": (
+            over[on].float().mean().item() if counted.numel() else 0.0
+        ),
+        **_spread("sampling/behaviour_weight", counted),
+    }
+    return w, metrics
+
+
+def effective_sample_share(w: Tensor) -> float:
+    """``(sum w)^2 / (n sum w^2)`` of the weights ``w`` (any shape): the effective sample
+    size as a share of ``n`` (Kish). 1.0 for no weights or all equal; 0.0 when all are 0."""
+    w = w.double().flatten()
+    if w.numel() == 0:
+        return 1.0
+    sq = float((w * w).sum())
+    return float(w.sum()) ** 2 / (w.numel() * sq) if sq > 0 else 0.0
+
+
+def _spread(prefix: str, w: Tensor) -> dict[str, float]:
+    """How the weights spread: ESS share and the share of near-zero weights."""
+    near = (w < NEAR_ZERO).float().mean().item() if w.numel() else 0.0
+    return {f"{prefix}/ess": effective_sample_share(w), f"{prefix}/near_zero_share": near}

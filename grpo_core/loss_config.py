@@ -58,6 +58,15 @@ class EngineCorrection:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BehaviourWeight:
+    """Token-level weights of rows an older policy sampled (``rl.async_level``), AReaL's
+    decoupled objective (``grpo_core.importance.behaviour_weights``)."""
+
+    mode: str = "token_mask"
+    cap: float = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
 class UpdateConfig:
     """How one generation batch becomes optimizer steps (:func:`grpo_core.update.grpo_update`).
 
@@ -76,6 +85,7 @@ class UpdateConfig:
     max_grad_norm: float = 1.0
     disable_dropout: bool = True
     engine_correction: EngineCorrection | None = None
+    behaviour_weight: BehaviourWeight | None = None  # stale rows (async): pi_prox / mu per token
     max_tokens_per_microbatch: int | None = None  # physical chunks of a micro-batch (memory)
     lm_head: str = "chunked"  # "chunked": hidden states through the head; "logits": full logits
     bf16: bool = False  # autocast bf16, float32 master weights and log-probs

@@ -125,16 +125,15 @@ def engine_correction_choice(
     fp16: bool = False,
     quantized: bool = False,
     old_logprobs: str = "auto",
-    stale: bool = False,
 ) -> tuple[bool, str]:
     """``rl.vllm_importance_sampling_correction`` for these rows: ``(on, reason)``.
 
     ``True``/``False`` are taken as set. ``auto`` (the default) turns it on where the
     engine's numbers differ from the trainer's: another engine than ``hf`` (vLLM's kernels;
     TRL turns the correction on by default with vLLM), a sampling model not in float32, a
-    trained model not in float32, bf16/fp16 autocast in the update, 4-bit weights, rows
-    sampled by an older policy than the one updated (``stale``: ``rl.async_level``; the
-    weight ``pi_now / pi_sampler`` is then the decoupled objective's behaviour weight). It stays
+    trained model not in float32, bf16/fp16 autocast in the update, 4-bit weights (rows
+    sampled by an older policy get the behaviour weight instead, ``rl.behaviour_weight``:
+    ``grpo_core.rl_trainer.behaviour_weight_for``). It stays
     off where the ratio would mean nothing: the ``hf`` engine in float32 samples with the
     trainer's own module; a processed sampling distribution (``top_p``, ``top_k``, ``min_p``,
     ``repetition_penalty``) makes every ratio < 1; ``rl.old_logprobs=sampler`` makes it 1.
@@ -153,8 +152,6 @@ def engine_correction_choice(
         differs.append("bf16/fp16 autocast in the update")
     if quantized:
         differs.append("4-bit weights")
-    if stale:
-        differs.append("rows sampled by an older policy")
     if not differs:
         return False, "auto: the hf engine sampled with the trainer's float32 module"
     sampling = file_meta.get("sampling") or {}

@@ -80,11 +80,13 @@ class LocalParallel:
 LOCAL = LocalParallel()
 
 
-def ranks_prepare(cfg):
-    """What data-parallel ranks run of ``cfg``: the entropy of skipped rows is not in their
-    forward plan (``entropy/trained_rows`` instead); a top-entropy token mask is refused."""
+def ranks_prepare(cfg, *, skipped_entropy: bool = True):
+    """What data-parallel ranks run of ``cfg``: a top-entropy token mask is refused; the
+    entropy of skipped rows (a no-grad forward on each rank) is kept unless
+    ``skipped_entropy`` is False (sharded ranks: extra forwards would have to be matched
+    across ranks, so they report ``entropy/trained_rows`` instead)."""
     if cfg.top_entropy_quantile < 1.0:
         raise ValueError("top_entropy_quantile < 1 is not supported with data_parallel")
-    if cfg.entropy_of_skipped_rows:
+    if cfg.entropy_of_skipped_rows and not skipped_entropy:
         cfg = dataclasses.replace(cfg, entropy_of_skipped_rows=False)
     return cfg

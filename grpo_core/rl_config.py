@@ -71,7 +71,7 @@ class RLConfig(TrainingKnobs):
         "auto",
         description="reweight tokens by trainer/engine probability ratios (TRL's name; any "
         "engine). auto: on where the engine's numbers differ from the trainer's (vLLM, "
-        "bf16, not float32, 4-bit, rows sampled by an older policy: async_level), decided "
+        "bf16, not float32, 4-bit; rows of an older policy get rl.behaviour_weight instead), decided "
         "per scored file and logged (grpo_core/old_logprobs.py: engine_correction_choice)",
     )
     async_level: int = Field(
@@ -82,6 +82,14 @@ class RLConfig(TrainingKnobs):
         "trainer updates; a fixed schedule, reproducible and cached like the on-policy "
         "loop (docs/algorithm.md)",
     )
+    behaviour_weight: Literal["token_mask", "token_truncate", "none"] = Field(
+        "token_mask",
+        description="rows sampled by an older policy (async_level): each token's loss times "
+        "pi_prox/mu, the policy being updated over the sampler, AReaL's decoupled objective; "
+        "token_mask: tokens above behaviour_weight_cap get 0 (AReaL), token_truncate: capped "
+        "(truncated IS); none: stale rows train as if the updated policy had sampled them",
+    )
+    behaviour_weight_cap: float = Field(5.0, gt=0, description="AReaL's behav_imp_weight_cap")
     vllm_importance_sampling_mode: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
     ] = "sequence_mask"
@@ -259,6 +267,7 @@ class RLConfig(TrainingKnobs):
             self,
             loss=same_named(LossConfig, self),
             engine_correction=engine,
+            behaviour_weight=None,  # per scored file: rows of an older policy (rl_trainer)
             old_logprobs="recompute",  # the update task picks the source (rl.old_logprobs)
         )
 

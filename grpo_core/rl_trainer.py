@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from grpo_core.checkpoint import compute_dtype_name, policy_id
 from grpo_core.config import RLConfig
+from grpo_core.loss_config import BehaviourWeight
 from grpo_core.memory import PeakMemory
 from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
 from grpo_core.parallel import LOCAL, LocalParallel
@@ -82,8 +83,15 @@ def engine_correction_for(
 ):
     """``rl`` with ``vllm_importance_sampling_correction`` decided for these rows
     (``auto``: grpo_core/old_logprobs.py, ``engine_correction_choice``; ``policy``: the id of
-    the weights being updated, against the rows' sampling policies), and the reason."""
-    sampled_by = set(rows.table.column("policy_id").unique().to_pylist())
+    the weights being updated, against the rows' sampling policies), and the reason. Rows
+    that get a behaviour weight (:func:`behaviour_weight_for`) get no engine correction: the
+    behaviour weight divides by the same sampler's log-probs, the engine's mismatch included."""
+    if behaviour_weight_for(rows, rl, policy) is not None:
+        why = (
+            f"off: rows sampled by an older policy get rl.behaviour_weight={rl.behaviour_weight} "
+            "(pi_prox / mu per token, the engine's mismatch included)"
+        )
+        return rl.model_copy(update={"vllm_importance_sampling_correction": False}), why
     on, why = engine_correction_choice(
         rl.vllm_importance_sampling_correction,
         file_meta=read_metadata_of(rows.table),
@@ -92,9 +100,20 @@ def engine_correction_for(
         fp16=rl.fp16,
         quantized=quantized,
         old_logprobs=rl.old_logprobs,
-        stale=policy is not None and sampled_by != {policy},
     )
     return rl.model_copy(update={"vllm_importance_sampling_correction": on}), why
+
+
+def behaviour_weight_for(rows: ScoredRows, rl: RLConfig, policy: str | None):
+    """The behaviour weight of these rows (a ``BehaviourWeight``), or None: on when an older
+    policy than ``policy`` sampled them (``rl.async_level``), ``rl.behaviour_weight`` is not
+    ``none`` and old log-probs are recomputed (with ``old_logprobs: sampler`` the ratio itself
+    is against the sampler: plain off-policy PPO)."""
+    if policy is None or rl.behaviour_weight == "none" or rl.old_logprobs == "sampler":
+        return None
+    if set(rows.table.column("policy_id").unique().to_pylist()) == {policy}:
+        return None
+    return BehaviourWeight(mode=rl.behaviour_weight, cap=rl.behaviour_weight_cap)
 
 
 def old_logprobs_for(
@@ -113,7 +132,8 @@ def old_logprobs_for(
         fp16=rl.fp16,
         quantized=quantized,
         disable_dropout=rl.disable_dropout,
-        engine_correction=rl.vllm_importance_sampling_correction,
+        engine_correction=rl.vllm_importance_sampling_correction is True
+        or behaviour_weight_for(rows, rl, policy) is not None,
     )
 
 
@@ -140,6 +160,7 @@ def train_on_scored(
     on_step: Callable[[dict], None] | None = None,
     parallel: LocalParallel = LOCAL,
     logger: logging.Logger | logging.LoggerAdapter | None = None,
+    behaviour_weight: BehaviourWeight | None = None,
 ) -> RLUpdate:
     """GRPO steps on ``rows``' kept rows from ``train`` (the stage's state at its
     ``global_step``), which is advanced in place: step count and RNG states, as the
@@ -147,17 +168,24 @@ def train_on_scored(
 
     ``old_logprobs``: ``"sampler"`` or ``"recompute"`` (:func:`old_logprobs_for`);
     ``reference()``: the reference model, asked for only when rows are trained on;
-    ``parallel``: this process's strategy (a rank of N, or the default one process). Every
+    ``parallel``: this process's strategy (a rank of N, or the default one process);
+    ``behaviour_weight``: stale rows' weights (:func:`behaviour_weight_for`). Every
     step's metrics get the rows' metrics (dynamic sampling) and ``peak_memory_gib``.
     """
     logger = logger or log
     set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
-    cfg = dataclasses.replace(rl.update_config(), old_logprobs=old_logprobs)
+    cfg = dataclasses.replace(
+        rl.update_config(), old_logprobs=old_logprobs, behaviour_weight=behaviour_weight
+    )
     history: list[dict] = []
     seconds = 0.0
     mem = PeakMemory(model.device)
     if rows.keep:
-        sampler = rl.vllm_importance_sampling_correction is True or old_logprobs == "sampler"
+        sampler = (
+            rl.vllm_importance_sampling_correction is True
+            or old_logprobs == "sampler"
+            or behaviour_weight is not None
+        )
         batch = rows.batch(
             pad_id, mask_truncated=rl.mask_truncated_completions, sampling_logprobs=sampler
         )

@@ -42,7 +42,11 @@ from grpo_core.batch_logprobs import (
     logprob_chunks,
 )
 from grpo_core.distributed import DataParallel
-from grpo_core.importance import engine_importance_weights, needs_old_logprobs
+from grpo_core.importance import (
+    behaviour_weights,
+    engine_importance_weights,
+    needs_old_logprobs,
+)
 from grpo_core.loss_config import UpdateConfig
 from grpo_core.losses import micro_batch_counts, step_normalisers
 from grpo_core.micro_batch import RowTensors, live_rows, micro_batch, skips_zero_loss_rows
@@ -108,13 +112,13 @@ def grpo_update(
     # the sampler's log-probs are the old ones whenever that mode is chosen, also with one
     # optimizer step (else old = current.detach(): stale rows would train as on-policy)
     reuse = cfg.old_logprobs == "sampler" or needs_old_logprobs(
-        cfg.num_iterations, micro // accumulation, cfg.engine_correction is not None
+        cfg.num_iterations, micro // accumulation, _weighs_rows(cfg)
     )
     nograd_target, loss_targets = _forward_plan(dp, batch, slices, cfg, reuse)
     fixed, is_metrics = _row_tensors(model, ref_model, batch, cfg, precision, reuse)
     if dp.sharded:  # FSDP2: as many sharded forwards as the busiest rank (grpo_core/fsdp.py)
         dp.pad_to(model, nograd_target, grad=False)
-    if cfg.engine_correction is not None:
+    if _weighs_rows(cfg):
         is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()))
     run = _Run(model, optimizer, scheduler, cfg, precision, dp, batch, slices, fixed, norms)
     history = _passes(run, accumulation, loss_targets, is_metrics, on_step)
@@ -134,8 +138,27 @@ def model_device(model) -> torch.device:
 def _check_inputs(batch: UpdateBatch, cfg: UpdateConfig, ref_model) -> None:
     if cfg.loss.beta > 0 and ref_model is None:
         raise ValueError("beta > 0 needs a reference model")
-    if cfg.engine_correction is not None and batch.sampling_logp is None:
-        raise ValueError("engine_correction needs the rollout engine's log-probs (sampling_logp)")
+    if _weighs_rows(cfg) and batch.sampling_logp is None:
+        raise ValueError(
+            "engine_correction and behaviour_weight need the rollout engine's log-probs "
+            "(sampling_logp)"
+        )
+    if cfg.engine_correction is not None and cfg.behaviour_weight is not None:
+        raise ValueError(
+            "engine_correction and behaviour_weight both divide by the sampler's log-probs: "
+            "give one (the behaviour weight of stale rows covers the engine's mismatch too)"
+        )
+    if cfg.behaviour_weight is not None and cfg.old_logprobs == "sampler":
+        raise ValueError(
+            "behaviour_weight with old_logprobs='sampler': the weight pi_old / mu would be 1"
+        )
+
+
+def _weighs_rows(cfg: UpdateConfig) -> bool:
+    """Whether each token's loss is multiplied by a weight against the sampler's log-probs
+    (the engine correction, or the behaviour weight of stale rows): old log-probs of every
+    row are then needed."""
+    return cfg.engine_correction is not None or cfg.behaviour_weight is not None
 
 
 def _accumulation_plan(cfg: UpdateConfig, n_groups: int) -> tuple[int, int]:
@@ -180,7 +203,7 @@ def _old_logprob_forwards(batch: UpdateBatch, cfg: UpdateConfig, needed: bool) -
     computes them)."""
     if not needed or cfg.old_logprobs == "sampler":
         return 0
-    if skips_zero_loss_rows(cfg) and cfg.engine_correction is None:
+    if skips_zero_loss_rows(cfg) and not _weighs_rows(cfg):
         batch = batch.slice(live_rows(batch).nonzero().squeeze(-1))
         if batch.size == 0:
             return 0
@@ -219,6 +242,12 @@ def _row_tensors(
     if cfg.loss.beta > 0:
         ref_model.eval()
         fixed.ref_logp = batched_logprobs(ref_model, batch, **nograd).to(batch.device)  # [N, T]
+    if cfg.behaviour_weight is not None:
+        b = cfg.behaviour_weight
+        fixed.is_weights, metrics = behaviour_weights(
+            fixed.old_logp, batch.sampling_logp, batch.completion_mask, mode=b.mode, cap=b.cap
+        )  # [N, T]
+        return fixed, metrics
     if cfg.engine_correction is None:
         return fixed, {}
     c = cfg.engine_correction
@@ -240,7 +269,7 @@ def _old_logprobs(model, batch: UpdateBatch, cfg: UpdateConfig, nograd: dict) ->
         if batch.sampling_logp is None:
             raise ValueError("old_logprobs='sampler' needs the batch's sampling_logp")
         return batch.sampling_logp
-    if skips_zero_loss_rows(cfg) and cfg.engine_correction is None:
+    if skips_zero_loss_rows(cfg) and not _weighs_rows(cfg):
         return _old_logprobs_of_live_rows(model, batch, **nograd)
     return batched_logprobs(model, batch, **nograd)
 

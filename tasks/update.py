@@ -69,7 +69,12 @@ def update_from_file(
     rank 0 alone writes the checkpoint.
     """
     from grpo_core.parallel import LOCAL
-    from grpo_core.rl_trainer import engine_correction_for, old_logprobs_for, train_on_scored
+    from grpo_core.rl_trainer import (
+        behaviour_weight_for,
+        engine_correction_for,
+        old_logprobs_for,
+        train_on_scored,
+    )
     from grpo_core.scored_batch import ScoredRows
 
     pull(scored_path)
@@ -106,6 +111,7 @@ def update_from_file(
         on_step=on_step,
         parallel=dp,
         logger=logger(__name__),
+        behaviour_weight=behaviour_weight_for(rows, rl, w.policy_id),
     )
     info = {"scored": scored_path, "global_step": out.global_step}
     on_ranks = data_parallel is not None
@@ -296,12 +302,18 @@ def update(
         )
         last = out.history[-1] if out.history else {}
         logger(__name__).info(
-            "%s iteration %d: %d steps, loss %.4f, entropy %.3f, %.1fs, peak %.2f GiB",
+            "%s iteration %d: %d steps, loss %.4f, %s %.3f, %.1fs, peak %.2f GiB",
             stage,
             iteration,
             len(out.history),
             last.get("loss", math.nan),
-            last.get("entropy", math.nan),  # not measured when every row was skipped
+            # sharded ranks measure the trained rows only (grpo_core/parallel.py); nan: every
+            # row of the last step was skipped and its entropy not measured
+            *(
+                ("entropy", last["entropy"])
+                if "entropy" in last
+                else ("entropy (trained rows)", last.get("entropy/trained_rows", math.nan))
+            ),
             out.seconds,
             out.peak_memory_gib,
         )

@@ -93,7 +93,11 @@ MODES = ("plain", "gpu-defaults")
 
 
 def run_case(
-    name: str, checkpoint: str, data_parallel=None, mode: str = "plain"
+    name: str,
+    checkpoint: str,
+    data_parallel=None,
+    mode: str = "plain",
+    skipped_entropy: bool | None = None,
 ) -> tuple[dict, list[dict]]:
     """One update from the checkpoint: the new weights and the metrics history. ``mode``
     ``gpu-defaults``: gradient checkpointing on and the optimizers' multi-tensor path forced
@@ -112,8 +116,11 @@ def run_case(
         opt = build_optimizer(model, "adamw_torch_foreach" if gpu else "adamw_torch", lr=1e-3)
     else:
         opt = torch.optim.SGD(param_groups(list(model.parameters())), lr=0.5, foreach=gpu)
-    # data parallel measures the entropy of the rows that ran only (grpo_core/update.py)
-    update = {"entropy_of_skipped_rows": False, **case["update"]}
+    # replicas measure the entropy of every row, as one process (TRL's headline entropy);
+    # sharded ranks that of the rows that ran only (grpo_core/parallel.py: ranks_prepare)
+    if skipped_entropy is None:
+        skipped_entropy = not (data_parallel is not None and data_parallel.sharded)
+    update = {"entropy_of_skipped_rows": skipped_entropy, **case["update"]}
     cfg = UpdateConfig(loss=LossConfig(**case["loss"]), **update)
     history = grpo_update(
         model,

@@ -47,6 +47,7 @@ def test_two_ranks_make_the_update_of_one_process(tiny_checkpoint, parallel_resu
     assert rank0[1] == rank1[1]  # every rank reports the same metrics
     assert len(rank0[1]) == len(history)
     for one, par in zip(history, rank0[1], strict=True):
+        assert "entropy" in par  # TRL's headline curve, on replicas too (issue 41)
         for key in METRICS + ENGINE_METRICS:
             if key in one:
                 assert math.isclose(par[key], one[key], rel_tol=1e-4, abs_tol=1e-6), key

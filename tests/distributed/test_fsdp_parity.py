@@ -31,7 +31,7 @@ def sharded_results(tiny_checkpoint, tmp_path_factory):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(cases()))
 def test_sharded_ranks_make_the_update_of_one_process(tiny_checkpoint, sharded_results, name, mode):
-    weights, history = run_case(name, str(tiny_checkpoint), mode=mode)
+    weights, history = run_case(name, str(tiny_checkpoint), mode=mode, skipped_entropy=False)
     before = load_checkpoint(tiny_checkpoint)[0].state_dict()
     rank0, rank1 = (r[name, mode] for r in sharded_results)
     moved = max(float((weights[k] - before[k]).abs().max()) for k in weights)

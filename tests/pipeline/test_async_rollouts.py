@@ -2,7 +2,7 @@
 policy k updates behind the newest, in the engine process, while the trainer updates.
 
 Through `grpo run` at the tests' tiny budget: every rollout file's sampling policy is the
-one the schedule names, rows of an older policy turn the behaviour correction on, the
+one the schedule names, rows of an older policy get the token-level behaviour weight, the
 stage's Prefect graph shows rollouts running beside updates, MLflow gets the lag and idle
 numbers; a run killed mid-stage and rerun ends with the weights of an uninterrupted run."""
 
@@ -91,8 +91,11 @@ def test_async_run_follows_the_schedule(prefect_harness, tmp_path, tracking_uri)
     assert 0 <= metrics["train/async/trainer_idle_share"] <= 1
     assert 0 <= metrics["train/async/engine_idle_share"] <= 1
     assert "train/timing/trainer_wait_s" in metrics and "train/timing/engine_idle_s" in metrics
-    # iterations 2.. learn from rows of the policy before: the behaviour correction ran
-    assert "train/sampling/importance_sampling_ratio/clipped_share" in metrics
+    # iterations 2.. learn from rows of the policy before: the behaviour weight ran, with
+    # its effective sample size; the engine correction stayed off (the weight covers it)
+    assert 0 < metrics["train/sampling/behaviour_weight/ess"] <= 1
+    assert "train/sampling/behaviour_weight/near_zero_share" in metrics
+    assert "train/sampling/importance_sampling_ratio/clipped_share" not in metrics
 
     # the Prefect graph: rollout i+1 started before update i ended
     with get_client(sync_client=True) as c:

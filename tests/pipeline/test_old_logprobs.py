@@ -169,7 +169,6 @@ def test_the_engine_correction_is_on_by_default_where_engine_and_trainer_differ(
         {"meta": {**SAFE_META, "engine": "vllm"}},
         {"bf16": True},
         {"quantized": True},
-        {"stale": True},  # rows of an older policy (rl.async_level): the behaviour weight
     ):
         on, why = _correction(**case)
         assert on and why.startswith("auto: "), case
