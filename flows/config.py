@@ -152,7 +152,27 @@ class PipelineConfig(Section):
                 f"force: unknown stage(s) {sorted(unknown)}; valid: {', '.join(STAGE_NAMES)}, all"
             )
         self._replicas_fit_the_engine()
+        self._engine_process_gets_merged_weights()
         return self
+
+    def _engine_process_gets_merged_weights(self) -> None:
+        """With ``async_level`` on one machine the engine process receives each policy's
+        weights merged (cluster/engine_process.py): a vLLM there started for adapter sync
+        would sample its base, not the policy the rollout file records."""
+        overlaps = max(self.rl.async_level, self.rl_2_config().async_level) > 0
+        if (
+            overlaps
+            and self.cluster.backend == "local"
+            and self.rollout.engine == "vllm"
+            and self.model.lora is not None
+            and self.rollout.vllm.lora_sync == "adapter"
+        ):
+            raise ValueError(
+                "rollout.vllm.lora_sync: adapter with rl.async_level > 0 on cluster.backend: "
+                "local is not supported: the engine process receives each policy's weights "
+                "merged, so its vLLM could not sample the adapter; use lora_sync: merged (or "
+                "cluster.backend: ray, whose replicas load each checkpoint's adapter)"
+            )
 
     def _replicas_fit_the_engine(self) -> None:
         """On Ray, a vLLM replica spans ``tensor_parallel_size`` GPUs: its actor must reserve

@@ -94,3 +94,33 @@ def test_a_failed_request_is_an_error_and_a_dead_child_is_replaced(tiny_checkpoi
     finally:
         executor.close()
     assert executor._engine_process is None
+
+
+def test_a_lora_policy_samples_in_the_child_with_its_adapter(tiny_checkpoint, one_thread):
+    """A LoRA policy's snapshot carries the adapter merged in: the child samples the policy
+    the rollout file records, not the base (issue 41, the hf-engine case)."""
+    pytest.importorskip("peft")
+    from types import SimpleNamespace
+
+    from grpo_core.config import LoraConfig
+    from grpo_core.lora import attach_adapter
+
+    executor = Local()
+    try:
+        model, tokenizer = load_checkpoint(tiny_checkpoint)
+        peft_model = attach_adapter(model, LoraConfig(r=4, alpha=8))
+        with torch.no_grad():  # a trained adapter: B != 0, so the policy is not the base
+            for name, p in peft_model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.5)
+        here = SimpleNamespace(checkpoint=tiny_checkpoint, policy_id="lora", model=peft_model,
+                               tokenizer=tokenizer)  # fmt: skip
+        prompts = [tokenizer.encode("12+34=")] * 2
+        expected = _sample(executor, here, prompts)
+        base = _sample(executor, _policy(tiny_checkpoint, "base"), prompts)
+        assert _ids(expected) != _ids(base)  # the adapter changes what is sampled
+        executor.hold("lora", lambda: here, tiny_checkpoint)
+        got = _sample(executor, executor.held_policy("lora"), prompts)
+        assert _ids(got) == _ids(expected)
+    finally:
+        executor.close()

@@ -276,3 +276,15 @@ def test_settings_or_keywords_not_both():
     assert settings_or_knobs(Scoring, None, {"scale_rewards": "none"}).scale_rewards == "none"
     with pytest.raises(ValueError, match="not both"):
         settings_or_knobs(Scoring, Scoring(), {"scale_rewards": "none"})
+
+
+def test_async_vllm_adapter_sync_on_one_machine_is_refused():
+    """The engine process gets merged weights: its vLLM cannot sample an adapter (issue 41)."""
+    from flows.config import load_config
+
+    sets = ["rl.async_level=1", "rollout.engine=vllm", "model.lora={r: 8, alpha: 16}",
+            "rollout.vllm.lora_sync=adapter"]  # fmt: skip
+    with pytest.raises(Exception, match="lora_sync: merged"):
+        load_config(None, sets)
+    load_config(None, [*sets[:3], "rollout.vllm.lora_sync=merged"])  # merged: fine
+    load_config(None, [*sets[1:]])  # on-policy: the adapter is synced in this process
