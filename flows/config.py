@@ -114,13 +114,16 @@ class StorageConfig(Section):
     )
 
 
+MAX_REWARD_WEIGHT = 1e6
+
+
 class PipelineConfig(Section):
     """The whole R1 recipe. ``rl_2`` and ``re_sft`` hold overrides on top of ``rl``/``sft``."""
 
     run_name: str = "demo"
     seed: int = 0
     output_dir: str = "runs"
-    torch_threads: int | None = None
+    torch_threads: int | None = Field(None, ge=1, description="torch threads (None: torch's)")
     force: list[str] = Field(
         default_factory=list,
         description="stages to rerun even when their inputs are unchanged ('all' for every stage)",
@@ -153,7 +156,24 @@ class PipelineConfig(Section):
             )
         self._replicas_fit_the_engine()
         self._engine_process_gets_merged_weights()
+        self._reward_weights_bounded()
         return self
+
+    def _reward_weights_bounded(self) -> None:
+        """A reward weight beyond ``MAX_REWARD_WEIGHT`` makes the weighted sum infinite in
+        float32 for ordinary rewards: every advantage 0, a run that learns nothing."""
+        tables = {"rewards": self.rewards}
+        for stage, rl in (("rl", self.rl), ("rl_2", self.rl_2_config())):
+            for it, weights in rl.reward_weights_from.items():
+                tables[f"{stage}.reward_weights_from.{it}"] = weights
+        for where, weights in tables.items():
+            for name, w in weights.items():
+                if not abs(w) <= MAX_REWARD_WEIGHT:
+                    raise ValueError(
+                        f"{where}.{name}: weight {w} is outside +-{MAX_REWARD_WEIGHT:g}: the "
+                        "weighted reward would overflow and every advantage would be 0; scale "
+                        "the weights down (only their ratios matter after normalisation)"
+                    )
 
     def _engine_process_gets_merged_weights(self) -> None:
         """With ``async_level`` on one machine the engine process receives each policy's
@@ -209,6 +229,24 @@ class PipelineConfig(Section):
 
 def default_config_path() -> Path:
     return Path(str(resources.files("configs") / DEFAULT_CONFIG))
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found the key {key!r} twice (first on line {seen[key] + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -307,7 +345,7 @@ def load_config(
     if not path.exists():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
         raise UserError(f"{path}, {_yaml_problem(e)} (YAML syntax); fix the file there") from None
     except (OSError, UnicodeDecodeError) as e:

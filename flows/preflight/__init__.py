@@ -41,7 +41,7 @@ from pathlib import Path
 
 from flows.preflight.checkpoints import check_checkpoint, check_safetensors
 from flows.preflight.context import check_context
-from flows.preflight.data import check_data, check_parquet, check_token_ids
+from flows.preflight.data import check_data, check_parquet, check_scored_rows, check_token_ids
 from flows.preflight.outputs import (
     check_outputs,
     check_sqlite,
@@ -65,6 +65,7 @@ __all__ = [
     "check_data",
     "check_outputs",
     "check_parquet",
+    "check_scored_rows",
     "check_reward_columns",
     "check_reward_names",
     "check_rewards",
@@ -150,6 +151,7 @@ def check_stage(command: str, args, cfg) -> None:
     elif command == "update":
         required = {**ROLLOUT_COLUMNS, "reward": "", "advantage": ""}
         schema = check_parquet(args.scored, "--scored", required)
+        check_scored_rows(args.scored)
         config = check_checkpoint(args.policy, "--policy")
         check_token_ids(args.scored, schema, args.policy, config)
     elif command == "eval":

@@ -52,6 +52,25 @@ def check_parquet(path, field: str, required: dict):
     return schema
 
 
+def check_scored_rows(scored) -> None:
+    """The scored file has rows, and every advantage is a finite number (a NaN or an empty
+    value would turn every weight NaN in the first step)."""
+    import math
+
+    import pyarrow.parquet as pq
+
+    meta = pq.read_metadata(scored)
+    if meta.num_rows == 0:
+        raise UserError(f"--scored {scored}: the file has no rows; score a rollout file with rows")
+    advantages = pq.read_table(scored, columns=["advantage"]).column("advantage").to_pylist()
+    for row, a in enumerate(advantages):
+        if not isinstance(a, int | float) or not math.isfinite(a):
+            raise UserError(
+                f"--scored {scored}, row {row}, field 'advantage': {a!r}, expected a finite "
+                "number (re-score the rollouts with grpo score)"
+            )
+
+
 def check_token_ids(scored, schema, policy, config: dict) -> None:
     """The scored file's token ids index the policy's embedding, and were made by the
     policy's tokenizer (the fingerprint recorded at rollout time, when there is one)."""

@@ -19,6 +19,9 @@ MIN_FREE_BYTES = 64 << 20
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+OTHER_STORES = {"postgresql", "mysql", "mssql", "databricks"}  # checked by MLflow itself
+
+
 def check_tracking(uri: str) -> None:
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
@@ -27,6 +30,11 @@ def check_tracking(uri: str) -> None:
         check_sqlite(uri)
     elif parsed.scheme in ("", "file"):  # a local file store (mlruns folder)
         check_writable_dir(Path(parsed.path if parsed.scheme else uri), "tracking.uri")
+    elif parsed.scheme.split("+")[0] not in OTHER_STORES:
+        raise UserError(
+            f"tracking.uri {uri}: unknown scheme {parsed.scheme!r}; MLflow takes sqlite:///"
+            f"file.db, http(s)://host:port, a folder, or {', '.join(sorted(OTHER_STORES))}"
+        )
 
 
 def probe_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:

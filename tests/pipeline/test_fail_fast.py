@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from fail_fast_inputs import (
     GOOD_RL,
@@ -105,6 +107,21 @@ def inputs(tmp_path_factory, tiny_checkpoint):
     p["scored_no_adv"] = _parquet(
         d / "scored_noadv.parquet", _rollout_rows(), scored=True, drop=["advantage"]
     )
+    for name, value in (("nan", float("nan")), ("null", None)):
+        path = Path(_parquet(d / f"scored_{name}.parquet", _rollout_rows(), scored=True,
+                             tokenizer=fp))  # fmt: skip
+        table = pq.read_table(path)
+        adv = table.column("advantage").to_pylist()
+        adv[3] = value
+        i = table.schema.get_field_index("advantage")
+        table = table.set_column(i, table.schema.field(i), pa.array(adv, pa.float32()))
+        pq.write_table(table, path)
+        p[f"scored_{name}"] = str(path)
+    empty = pq.read_table(p["scored_nan"]).slice(0, 0)  # every column, no row
+    pq.write_table(empty, d / "scored_empty.parquet")
+    p["scored_empty"] = str(d / "scored_empty.parquet")
+    (d / "dup.yaml").write_text("seed: 1\nrl:\n  iterations: 3\nseed: 2\n")
+    p["dup_yaml"] = str(d / "dup.yaml")
     # a real rollout file of the tiny policy, and a policy whose tokenizer has the same
     # vocabulary size but two tokens swapped
     p["scored_real"] = _real_scored(ck, d)
@@ -327,6 +344,41 @@ CASES = [
         "update_same_size_tokenizer",
         lambda p: ["update", "--scored", p["scored_real"], "--policy", p["ck_swapped"]],
         ["real_scored.parquet", "another tokenizer", "ck_swapped"],
+    ),
+    # numbers that would crash mid-run, run on nothing, or hang (issue 44)
+    (
+        "rl_lr_inf",
+        lambda p: ["run", "--set", "rl.learning_rate=inf"],
+        ["rl.learning_rate", "finite"],
+    ),
+    ("sft_lr_inf", lambda p: ["run", "--set", "sft.learning_rate=inf"], ["sft.learning_rate"]),
+    ("temperature_inf", lambda p: ["run", "--set", "rl.temperature=inf"], ["rl.temperature"]),
+    (
+        "reward_weight_huge",
+        lambda p: ["run", "--set", "rewards={accuracy: 1.0e+308}"],
+        ["rewards.accuracy", "overflow"],
+    ),
+    ("threads_zero", lambda p: ["run", "--set", "torch_threads=0"], ["torch_threads"]),
+    ("yaml_duplicate_key", lambda p: ["run", "--config", p["dup_yaml"]], ["'seed' twice"]),
+    (
+        "tracking_scheme",
+        lambda p: ["run", "--set", "tracking.uri=mongodb://localhost/x"],
+        ["tracking.uri", "unknown scheme 'mongodb'"],
+    ),
+    (
+        "update_nan_advantage",
+        lambda p: ["update", "--scored", p["scored_nan"], "--policy", p["ckpt"]],
+        ["scored_nan.parquet, row 3, field 'advantage'", "nan"],
+    ),
+    (
+        "update_null_advantage",
+        lambda p: ["update", "--scored", p["scored_null"], "--policy", p["ckpt"]],
+        ["row 3", "None"],
+    ),
+    (
+        "update_no_rows",
+        lambda p: ["update", "--scored", p["scored_empty"], "--policy", p["ckpt"]],
+        ["scored_empty.parquet", "no rows"],
     ),
     (
         "update_no_advantage",
