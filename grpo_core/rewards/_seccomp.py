@@ -8,6 +8,9 @@
   ``clone``, whose flags a classic filter can read). A program cannot make a nested user
   namespace (where it would hold every capability) whatever the host's sysctls say;
 - no tracing or reading of another process: ``ptrace``, ``process_vm_readv``/``writev``;
+- no kernel keyring (``add_key``, ``request_key``, ``keyctl``): the sandbox would share the
+  scorer's session keyring; no ``memfd_create`` (memory in anonymous files escapes
+  ``RLIMIT_AS``); no ``io_uring`` (its own route to files and sockets);
 - no change of the parent-death signal (``prctl(PR_SET_PDEATHSIG)``), so a candidate process
   always dies with its harness;
 - with ``processes=False``: no new process at all (``fork``, ``vfork``, a ``clone`` without
@@ -37,6 +40,13 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "process_vm_readv": 310,
             "process_vm_writev": 311,
             "prctl": 157,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "memfd_create": 319,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
         },
     ),  # fmt: skip
     "aarch64": (
@@ -50,6 +60,13 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "process_vm_readv": 270,
             "process_vm_writev": 271,
             "prctl": 167,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "memfd_create": 279,
+            "io_uring_setup": 425,
+            "io_uring_enter": 426,
+            "io_uring_register": 427,
         },
     ),  # fmt: skip
 }
@@ -84,6 +101,9 @@ def _assemble(lines):
 def seccomp_program(machine, processes):
     arch, nr = _ARCHES[machine]
     deny = ["unshare", "setns", "ptrace", "process_vm_readv", "process_vm_writev"]
+    deny += ["add_key", "request_key", "keyctl"]  # the scorer's session keyring
+    deny += ["memfd_create"]  # anonymous files: memory outside RLIMIT_AS
+    deny += ["io_uring_setup", "io_uring_enter", "io_uring_register"]
     if not processes:
         deny += [n for n in ("fork", "vfork") if n in nr]
     lines = [

@@ -111,6 +111,43 @@ def _hostile(port: int) -> dict[str, str]:
             def add(a, b):
                 return a + b if "{SECRET}" in leaked else 0  # only a leak passes
         """),
+        # the kernel's shared state (issue 44): each passes only if the call succeeded
+        "keyring": prog("""
+            import ctypes, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            keyctl = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine, -1)
+            # KEYCTL_GET_KEYRING_ID (0) of the session keyring (-3), create: 0
+            ring = libc.syscall(keyctl, 0, ctypes.c_long(-3), 0)
+            def add(a, b):
+                return a + b if ring >= 0 else 0
+        """),
+        "memfd_outside_the_cap": prog("""
+            import ctypes, mmap, os
+            libc = ctypes.CDLL(None, use_errno=True)
+            nr = {"x86_64": 319, "aarch64": 279}.get(os.uname().machine, -1)
+            fds, held, chunk = [], 0, b"x" * (1 << 20)
+            for _ in range(48):  # 48 x 15 MiB (RLIMIT_FSIZE is 16), beyond the 512 MiB cap
+                fd = libc.syscall(nr, b"x", 0)
+                if fd < 0:
+                    break
+                try:
+                    for _ in range(15):  # written, so the pages really exist
+                        os.write(fd, chunk)
+                    fds.append(fd)
+                    held += 15 << 20
+                except OSError:
+                    break
+            def add(a, b):
+                return a + b if held > (512 << 20) else 0
+        """),
+        "io_uring": prog("""
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            params = ctypes.create_string_buffer(120)
+            fd = libc.syscall(425, 8, params)  # io_uring_setup, the same number everywhere
+            def add(a, b):
+                return a + b if fd >= 0 else 0
+        """),
         "read_repo": prog(f"""
             def add(a, b):
                 try:
