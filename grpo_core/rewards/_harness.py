@@ -287,9 +287,13 @@ def _run_tests(tests, tests_error, tns, payload, link, emit):
                 if ident is None:
                     raise
                 emit("assert", ident, False, _exc_message(exc))
+            if ident is not None:  # every execution of this entry's asserts is in
+                emit("source", ident[: ident.index(".") + 1], True)
         entry = payload.get("entry_point")
         if entry and payload["kind"] == "humaneval":
             tns["check"](tns.get(entry, Remote(link, entry)))
+        if payload["kind"] != "asserts":
+            emit("source", "t", True)
     except Exception as exc:
         emit("tests", "", False, _exc_message(exc))
 

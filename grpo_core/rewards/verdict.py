@@ -3,7 +3,8 @@
 The harness (``_harness.py``) writes one JSON record per event, ``[nonce, kind, id, ok,
 message]``, to a pipe the scorer holds open; :func:`read_verdict` keeps only the records that
 carry this run's nonce, counts only the asserts that exercise the candidate (``credit.py``),
-per statement (those never reached count as failed), and turns the launcher's outcome (timeout, signal,
+per statement (those never reached, or in a test source that did not run to its end, count
+as failed), and turns the launcher's outcome (timeout, signal,
 early exit, failed namespace setup) into a status and a one-line error. Exit codes and output
 are never trusted for the score.
 """
@@ -44,6 +45,12 @@ class RunResult:
         return self.passed / self.total if self.total else 0.0
 
 
+def _source(ident: str) -> str:
+    """The test source an assert id belongs to: ``a3.`` for ``a3.7`` (an ``asserts`` entry),
+    ``t`` for ``t5`` (the one source of ``humaneval`` and ``script`` tests)."""
+    return ident[: ident.index(".") + 1] if "." in ident else "t"
+
+
 def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload) -> RunResult:
     records = []
     for line in raw.split(b"\n"):
@@ -60,9 +67,16 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
     for k, ident, ok, message in records:
         if k == "assert" and ident in counted:
             runs.setdefault(ident, []).append((ok, message))
-    # credit per assert statement: passed when it ran and every one of its runs passed; one
-    # that never ran (an empty loop, a crash, a timeout) is a failed statement
-    passed = sum(1 for i in counted if runs.get(i) and all(ok for ok, _ in runs[i]))
+    # credit per assert statement: passed when it ran, every one of its runs passed, and the
+    # test source holding it ran to its end (a verdict cut short, by a timeout, a killed or
+    # stopped harness, cannot vouch for the runs of a loop it never finished); one that never
+    # ran (an empty loop, a crash, a timeout) is a failed statement
+    complete = {ident for k, ident, ok, _ in records if k == "source" and ok}
+    passed = sum(
+        1
+        for i in counted
+        if runs.get(i) and all(ok for ok, _ in runs[i]) and _source(i) in complete
+    )
     total = len(counted)
     never_ran = sum(1 for i in counted if i not in runs)
     tests_error = next((r[3] for r in records if r[0] == "tests" and not r[2]), None)

@@ -364,3 +364,40 @@ def test_namespaces_as_an_unprivileged_scorer(tmp_path):
         assert not (work / "escape").exists()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+CUT_SHORT = {
+    # answers the first call, then ends the verdict early (issue 44): each scored 1.0 before
+    "kill_harness": "os.kill(os.getppid(), signal.SIGKILL)",
+    "stop_harness": "os.kill(os.getppid(), signal.SIGSTOP)",
+    "sleep_to_timeout": "time.sleep(60)",
+}
+LOOP_TESTS = ["cases = [((1, 2), 3), ((2, 2), 4), ((5, 5), 10)]\n"
+              "for args, want in cases:\n    assert add(*args) == want"]  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", sorted(CUT_SHORT))
+def test_a_verdict_cut_short_pays_nothing_for_an_unfinished_loop(mode, how):
+    """An assert in a loop whose first run passed does not count when the harness never got
+    to the loop's end: killed, stopped or timed out, the verdict is unfinished and the assert
+    failed."""
+    src = prog(f"""
+        import os, signal, time
+        calls = 0
+        def add(a, b):
+            global calls
+            calls += 1
+            if calls > 1:
+                {CUT_SHORT[how]}
+            return a + b
+    """)
+    iso = None if mode == "auto-without-bwrap" else mode
+    with bwrap_hidden() if iso is None else contextlib.nullcontext():
+        res = run_program(src, kind="asserts", tests=LOOP_TESTS, limits=Limits(wall_seconds=2.0),
+                          isolation=iso)  # fmt: skip
+        good = run_program(GOOD, kind="asserts", tests=LOOP_TESTS, limits=LIMITS, isolation=iso)
+    assert (res.passed, res.total) == (0, 1), res
+    assert res.status != "ok" and res.error
+    assert (good.passed, good.total) == (1, 1), good  # a correct program still gets it
+    assert sandbox_uids_alive(grace=2.0) == []
