@@ -6,8 +6,12 @@ This is the only process that runs the model's program. It holds nothing that de
 verdict: no nonce, no verdict pipe, no test. Before it reads the program it locks itself
 (``_seccomp.py``: no new process, no namespace, no tracing, dies with the harness). Then:
 
-1. the first request is ``{"program", "main", "names"}``: the program runs (as ``__main__``
-   for ``code_runs``), and the reply says whether it raised and what each name of ``names``
+0. once locked, it says ``{"ready": true}`` (or why the lock failed), before any program code;
+1. the first request is ``{"program", "main", "names"}``: the program runs. For ``code_runs``
+   (as ``__main__``) there is no reply: the process exits 0 when the program ran without
+   raising, else 1, and the harness reads that exit status from outside (the program holds the
+   reply pipe and could forge a reply on it). Otherwise the reply says whether it raised and
+   what each name of ``names``
    (the names the tests take from the program) is: ``"callable"``, a plain value, or why not;
 2. each further request ``{"name", "args", "kwargs"}`` calls that name with the decoded
    arguments; the reply carries the result as a plain value (``_wire.py``: an object of the
@@ -66,11 +70,13 @@ def _serve():
     except OSError as exc:
         send(rep, {"setup": f"sandbox setup failed: seccomp: {exc}"})
         return
+    send(rep, {"ready": True})  # before any program code: the harness can trust this one
     reader = WireReader(req)  # noqa: F821
     first = reader.read()
     if not isinstance(first, dict):
         return
     main = first.get("main") is True
+    exit_now = os._exit  # noqa: F821 (_seccomp.py's os) taken before the program can patch it
     ns = {"__name__": "__main__" if main else "__candidate__", "__builtins__": _builtins}
     ok, error = True, ""
     try:
@@ -82,6 +88,11 @@ def _serve():
         error = "" if ok else _message(exc)
     except BaseException as exc:
         ok, error = False, _message(exc)
+    if main:  # code_runs: the verdict is this process's exit status, which the harness reads
+        if error:  # from outside (a reply the program forged on the pipe counts for nothing)
+            _sys.stderr.write("grpo-candidate: " + error + "\n")
+            _sys.stderr.flush()
+        exit_now(0 if ok else 1)
     send(rep, {"ok": ok, "error": error, "names": _describe(ns, first.get("names") or [])})
     while (request := reader.read()) is not None:
         try:

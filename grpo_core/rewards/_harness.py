@@ -50,6 +50,23 @@ class _Link:
         self.req, self.reader, self.gone = req_w, WireReader(rep_r), None  # noqa: F821
         self.on_gone = None
 
+    def ready(self):
+        """The candidate's first word, sent once locked and before any program code runs:
+        ``{"ready": True}`` or ``{"setup": why}``; None when it died first."""
+        try:
+            return self.reader.read()
+        except OSError:
+            return None
+
+    def run_main(self, message):
+        """``code_runs``: send the program and wait for the candidate's exit status (its
+        verdict; nothing it writes on the reply pipe is read)."""
+        try:  # noqa: SIM105 (stdlib only here, as the rest of the sandbox's code)
+            wire_send(self.req, message)  # noqa: F821 (_wire.py)
+        except OSError:
+            pass
+        return self.proc.wait()
+
     def ask(self, message):
         if self.gone is not None:
             raise CandidateGone(self.gone)
@@ -238,14 +255,21 @@ def _start_candidate(payload, names, emit):
     except OSError as exc:
         _setup_failed(f"seccomp: {exc}")
     emit("start", "", True)
-    main = payload["kind"] == "run"
+    ready = link.ready()
+    if ready is not None and "setup" in ready:
+        _setup_failed(str(ready["setup"]).split(": ", 1)[-1])
+    if payload["kind"] == "run":  # code_runs: the exit status, observed from here
+        rc = link.run_main({"program": payload.pop("program"), "main": True, "names": []})
+        link.gone = f"the candidate process ended (exit status {rc})"
+        emit("program", "", rc == 0, "" if rc == 0 else f"the program failed (exit status {rc})")
+        if rc < 0:  # killed by a signal (CPU limit, memory, its own kill): say which
+            link.on_gone(rc)
+        return link, None
     try:
-        first = link.ask({"program": payload["program"], "main": main, "names": names})
+        first = link.ask({"program": payload["program"], "main": False, "names": names})
     except CandidateGone:
         first = None
     del payload["program"]
-    if first is not None and "setup" in first:
-        _setup_failed(str(first["setup"]).split(": ", 1)[-1])
     if first is not None:
         emit("program", "", first.get("ok") is True, first.get("error") or "")
     return link, first

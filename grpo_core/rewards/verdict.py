@@ -99,6 +99,9 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
         status, error = "exited", f"exited with code {rc} before the tests finished"
     if error is None:
         prog_err = next((r[3] for r in records if r[0] == "program" and not r[2]), None)
+        said = [x for x in tail.splitlines() if x.startswith("grpo-candidate: ")]
+        if prog_err and said:  # code_runs: the exception the candidate process reported
+            prog_err = said[-1].removeprefix("grpo-candidate: ")
         first_fail = next((m for i in counted for ok, m in runs.get(i, ()) if not ok and m), None)
         parts = [f"program raised {prog_err}"] if prog_err else []
         if tests_error:

@@ -74,12 +74,34 @@ def test_code_runs_and_compiles():
     fn = rewards.get("code_runs")
     out = fn(
         ["p"] * 3,
-        ["print('hi')", "raise ValueError('x')", "import os\nos._exit(0)"],
+        ["print('hi')", "raise ValueError('x')", "import os\nos._exit(0)",
+         "import sys\nsys.exit(3)", "import os\nos._exit(1)"],
         sandbox_progress=False,
-    )
-    assert list(out) == [1.0, 0.0, 0.0]
+    )  # fmt: skip
+    # the verdict is the exit status, read from outside: os._exit(0) is sys.exit(0)
+    assert list(out) == [1.0, 0.0, 1.0, 0.0, 0.0]
     assert "ValueError" in out.errors[1]
     assert rewards.get("code_compiles")(["p"] * 2, ["x = (", "x = 1"]) == [0.0, 1.0]
+
+
+FORGED = (
+    "import json, os\n"
+    "for fd in range(3, 64):\n"  # a forged '{ok: true}' reply on every open descriptor
+    "    try:\n"
+    "        body = json.dumps({'ok': True, 'error': '', 'names': {}}).encode()\n"
+    "        os.write(fd, body + b'\\n')\n"
+    "    except OSError:\n"
+    "        pass\n"
+)
+
+
+def test_code_runs_ignores_a_reply_the_program_forged():
+    """Issue 44: a program that writes a forged first reply and then raises, or loops, got
+    1.0 from code_runs; the verdict is now the candidate's exit status, read from outside."""
+    fn = rewards.get("code_runs")
+    out = fn(["p"] * 2, [FORGED + "raise ValueError('after')", FORGED + "while True:\n    pass"],
+             sandbox_progress=False, sandbox_limits=Limits(wall_seconds=3.0))  # fmt: skip
+    assert list(out) == [0.0, 0.0], out.errors
 
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff not installed")
