@@ -124,3 +124,34 @@ def test_memory_limit_is_the_programs_total():
     limits = Limits(wall_seconds=20.0, cpu_seconds=10, memory_bytes=400 << 20)
     res = run_program(program, kind="asserts", tests=["assert 0 < grab(2000) < 400"], limits=limits)
     assert (res.passed, res.total) == (1, 1), res.error
+
+
+def test_python_semantics_a_program_cannot_exploit():
+    """Issue 44: the credit rules on two Python features a model can reach for.
+
+    - An exception that would end an iteration of the tests' own code (``StopIteration``
+      inside ``map``) is a plain failure of the call, as PEP 479 makes it in a generator: it
+      no longer truncates ``list(map(add, ...))`` to the pairs that passed.
+    - Arguments cross by value and come back changed only when the call returns None (an
+      in-place function): ``xs.clear(); return []`` does not make ``my_sort(data) ==
+      sorted(data)`` compare ``[]`` with ``[]``; ``xs.sort()`` returning None still sorts.
+    """
+    stop = (
+        "calls = 0\n"
+        "def add(a, b):\n    global calls\n    calls += 1\n"
+        "    if calls > 1:\n        raise StopIteration\n    return a + b\n"
+    )
+    mapped = ["outs = list(map(add, [1, 2, 5], [2, 2, 5]))\n"
+              "for got, want in zip(outs, [3, 4, 10]):\n    assert got == want"]  # fmt: skip
+    res = run_program(stop, kind="asserts", tests=mapped, limits=FAST)
+    assert (res.passed, res.total) == (0, 1), res
+    assert "StopIteration" in res.error
+    good = "def add(a, b):\n    return a + b\n"
+    assert run_program(good, kind="asserts", tests=mapped, limits=FAST).passed == 1
+
+    emptier = "def my_sort(xs):\n    xs.clear()\n    return []\n"
+    sorts = ["data = [3, 1, 2]\nassert my_sort(data) == sorted(data)"]
+    res = run_program(emptier, kind="asserts", tests=sorts, limits=FAST)
+    assert (res.passed, res.total) == (0, 1), res
+    honest = "def my_sort(xs):\n    return sorted(xs)\n"
+    assert run_program(honest, kind="asserts", tests=sorts, limits=FAST).passed == 1
