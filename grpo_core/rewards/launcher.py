@@ -154,13 +154,45 @@ def _preexec(limits: Limits):
     return set_limits
 
 
+_WORKDIR_PREFIX = "grpo-sandbox-"
+_SWEPT: set[int] = set()  # processes that swept already: once per scorer process
+
+
+def _sweep_orphans() -> None:
+    """Remove the sandbox folders of scorers that are gone (``grpo-sandbox-<pid>-*`` with no
+    such process, or one of another owner's name that was left behind); once per process."""
+    if os.getpid() in _SWEPT:
+        return
+    _SWEPT.add(os.getpid())
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(_WORKDIR_PREFIX):
+            continue
+        pid = name[len(_WORKDIR_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue  # another format, or a scorer still running
+        path = os.path.join(root, name)
+        try:
+            if os.path.isdir(path) and os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
 def run_isolated(
     iso: Isolation, payload: dict, limits: Limits, counted: dict[str, None]
 ) -> RunResult:
     nonce = secrets.token_hex(16)
     uid = 100_000 + secrets.randbelow(800_000)
     data = json.dumps({**payload, "nonce": nonce, "candidate_code": CANDIDATE}).encode()
-    workdir = tempfile.mkdtemp(prefix="grpo-sandbox-")  # none: cwd; namespaces: mount point
+    _sweep_orphans()
+    # none: cwd; namespaces: mount point. The pid in the name lets a later scorer remove the
+    # folders of one that was killed (SIGKILL runs no finally)
+    workdir = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}-")
     vr, vw = os.pipe()  # the verdict
     ir, iw = os.pipe()  # the sandbox's pid-1, as "<pid>" (namespaces) or bwrap's JSON
     pidfd = -1

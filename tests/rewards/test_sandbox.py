@@ -401,3 +401,21 @@ def test_a_verdict_cut_short_pays_nothing_for_an_unfinished_loop(mode, how):
     assert res.status != "ok" and res.error
     assert (good.passed, good.total) == (1, 1), good  # a correct program still gets it
     assert sandbox_uids_alive(grace=2.0) == []
+
+
+def test_a_killed_scorers_folders_are_swept(tmp_path, monkeypatch):
+    """A scorer killed with SIGKILL runs no cleanup: its grpo-sandbox-<pid>-* folders stay.
+    The next scorer process removes those of dead pids, never a live one's (issue 44)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(launcher, "_SWEPT", set())
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = tmp_path / f"grpo-sandbox-{dead.pid}-abc"
+    (orphan / "tmp").mkdir(parents=True)
+    alive = tmp_path / f"grpo-sandbox-{os.getpid()}-def"
+    alive.mkdir()
+    other = tmp_path / "grpo-sandbox-err-xyz"
+    other.write_text("")
+    launcher._sweep_orphans()
+    assert not orphan.exists()
+    assert alive.exists() and other.exists()
