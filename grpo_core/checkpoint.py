@@ -193,8 +193,48 @@ def save_checkpoint(
             )
         _write_memo(tmp / POLICY_ID, pid, {f.name: stamp(f) for f in files})
         if info:
-            write_json(info, tmp / "checkpoint_info.json")
+            write_json(info_paths_relative(info, Path(out_dir)), tmp / "checkpoint_info.json")
     return out_dir
+
+
+RUN_MARKER = ".grpo-run"  # a run folder's root (tasks/workspace.py writes it)
+INFO_PATHS = ("scored", "lora_base")  # checkpoint_info.json entries that name files
+
+
+def info_paths_relative(info: dict, checkpoint: Path) -> dict:
+    """``info`` with each path of :data:`INFO_PATHS` inside the checkpoint's run folder
+    recorded relative to the checkpoint folder, so a moved run folder still finds them
+    (:func:`info_path` resolves them); paths outside the run folder stay absolute."""
+    run = _run_folder(checkpoint)
+    if run is None:
+        return info
+    out = dict(info)
+    for key in INFO_PATHS:
+        value = out.get(key)
+        if isinstance(value, str) and os.path.isabs(value):
+            norm = os.path.normpath(value)
+            if norm == run or norm.startswith(run + os.sep):
+                out[key] = os.path.relpath(norm, os.path.abspath(checkpoint))
+    return out
+
+
+def info_path(checkpoint: str | Path, value: str) -> str:
+    """A path that ``checkpoint_info.json`` records, as a path to use: relative ones are
+    relative to the checkpoint folder."""
+    if os.path.isabs(value):
+        return value
+    return os.path.normpath(os.path.join(os.path.abspath(checkpoint), value))
+
+
+def _run_folder(path: Path) -> str | None:
+    here = os.path.abspath(path)
+    while True:
+        if os.path.exists(os.path.join(here, RUN_MARKER)):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
 
 
 def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:

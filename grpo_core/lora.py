@@ -165,7 +165,9 @@ def saved_base(checkpoint: str | Path) -> tuple[str, str] | None:
         return None
     if "lora_base" not in info or not (Path(checkpoint) / ADAPTER_DIR).is_dir():
         return None
-    return str(info["lora_base"]), str(info["lora_base_policy_id"])
+    from grpo_core.checkpoint import info_path
+
+    return info_path(checkpoint, str(info["lora_base"])), str(info["lora_base_policy_id"])
 
 
 def rank(model) -> int:

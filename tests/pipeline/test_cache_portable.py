@@ -98,3 +98,37 @@ def test_pipeline_in_a_copied_then_moved_folder_reuses_its_own_files(
     check("y")
     os.rename(tmp_path / "y", tmp_path / "z")
     check("z")
+
+
+def test_checkpoint_info_names_run_files_relative_to_the_checkpoint(tiny_checkpoint, tmp_path):
+    """checkpoint_info.json records ``scored`` and a LoRA checkpoint's ``lora_base`` relative
+    to the checkpoint when they are in its run folder (issue 44): a moved run folder still
+    finds its adapter's base; a path outside the run folder stays absolute."""
+    import json
+    import shutil
+
+    from grpo_core.checkpoint import load_checkpoint, save_checkpoint
+    from grpo_core.config import LoraConfig
+    from grpo_core.lora import attach_adapter, saved_base
+
+    run = tmp_path / "runs" / "demo"
+    (run / "rl_1").mkdir(parents=True)
+    (run / ".grpo-run").write_text("")
+    base = run / "cold_start_sft"
+    shutil.copytree(tiny_checkpoint, base)
+    model, tok = load_checkpoint(base)
+    model = attach_adapter(model, LoraConfig(r=4, alpha=8))
+    scored = run / "rl_1" / "iter_0000" / "scored.parquet"
+    info = {"scored": str(scored), "lora_base": str(base), "lora_base_policy_id": "b",
+            "elsewhere": str(tmp_path / "data.jsonl")}  # fmt: skip
+    ckpt = save_checkpoint(model, tok, run / "rl_1" / "checkpoint", info=info)
+    recorded = json.loads((ckpt / "checkpoint_info.json").read_text())
+    assert recorded["scored"] == "../iter_0000/scored.parquet"
+    assert recorded["lora_base"] == "../../cold_start_sft"
+    assert recorded["elsewhere"] == str(tmp_path / "data.jsonl")  # not a recorded path key
+    moved = tmp_path / "moved"
+    shutil.move(str(run), str(moved))
+    assert saved_base(moved / "rl_1" / "checkpoint") == (str(moved / "cold_start_sft"), "b")
+    # outside any run folder: absolute, as before
+    out = save_checkpoint(model, tok, tmp_path / "loose", info=info)
+    assert json.loads((out / "checkpoint_info.json").read_text())["lora_base"] == str(base)
