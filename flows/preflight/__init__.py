@@ -40,7 +40,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from flows.preflight.checkpoints import check_checkpoint, check_safetensors
-from flows.preflight.context import check_context
+from flows.preflight.context import check_batch_fits, check_context
 from flows.preflight.data import check_data, check_parquet, check_scored_rows, check_token_ids
 from flows.preflight.outputs import (
     check_outputs,
@@ -61,6 +61,7 @@ from grpo_core.errors import UserError
 
 __all__ = [
     "check_checkpoint",
+    "check_batch_fits",
     "check_context",
     "check_data",
     "check_outputs",
@@ -118,6 +119,7 @@ def check_run(cfg) -> None:
         if (base / "config.json").exists():
             check_checkpoint(base, "the demo's base model", fix=f"delete {base} to rebuild it")
     check_context(cfg, prompts)
+    check_batch_fits(cfg)
     check_tracking(cfg.tracking.uri)
 
 

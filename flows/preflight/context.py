@@ -73,3 +73,31 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
             ids, context=context, max_new_tokens=n, field=setting, source=f"{field} {path}",
             unit="row",
         )  # fmt: skip
+
+
+# memory one sampled token takes on its way through an iteration: in the Sample lists (an int
+# and a float object with their list slots, ~68 B), the rollout and scored tables (~12 B) and
+# the update's padded tensors (ids twice, masks, log-probs: ~28 B)
+BYTES_PER_TOKEN = 100
+
+
+def check_batch_fits(cfg, available: int | None = None) -> None:
+    """One RL iteration's completions (``prompts_per_iteration`` x ``num_generations`` of up to
+    ``max_completion_length`` tokens, plus their prompts) must fit in the memory this machine
+    has free, or the run would be ended by the kernel's OOM killer with no message."""
+    if available is None:
+        import psutil
+
+        available = psutil.virtual_memory().available
+    context, _ = _model(cfg)
+    for name, rl in (("rl", cfg.rl), ("rl_2", cfg.rl_2_config())):
+        rows = rl.prompts_per_iteration * rl.num_generations
+        tokens = rows * (rl.max_completion_length + min(context or 512, 512))
+        need = tokens * BYTES_PER_TOKEN
+        if need > available:
+            raise UserError(
+                f"{name}.num_generations={rl.num_generations} x {name}.prompts_per_iteration="
+                f"{rl.prompts_per_iteration}: one iteration samples {rows:,} completions of up to "
+                f"{rl.max_completion_length} tokens, about {need / 2**30:,.1f} GiB to hold, and "
+                f"this machine has {available / 2**30:.1f} GiB free; lower them"
+            )

@@ -359,6 +359,11 @@ CASES = [
         ["rewards.accuracy", "overflow"],
     ),
     ("threads_zero", lambda p: ["run", "--set", "torch_threads=0"], ["torch_threads"]),
+    (
+        "num_generations_huge",
+        lambda p: ["run", "--set", "rl.num_generations=100000000"],
+        ["rl.num_generations=100000000", "GiB to hold", "lower them"],
+    ),
     ("yaml_duplicate_key", lambda p: ["run", "--config", p["dup_yaml"]], ["'seed' twice"]),
     (
         "tracking_scheme",
