@@ -23,6 +23,9 @@ from demo_seeds import parse_summary, run_seed  # noqa: E402
 
 STAGES = ("rl_1", "rl_2")
 SHARES = ("train/async/trainer_idle_share", "train/async/engine_idle_share")
+# how much of a stale batch the weights let train: the behaviour weight's (token level), or
+# the engine correction's when that weighted the stale rows instead (sequence level)
+WEIGHTS = ("train/sampling/behaviour_weight", "train/sampling/importance_sampling_ratio")
 
 
 def stage_numbers(db: Path, run_name: str) -> dict[str, dict[str, float]]:
@@ -38,7 +41,19 @@ def stage_numbers(db: Path, run_name: str) -> dict[str, dict[str, float]]:
         if stage in STAGES and "wall_time_s" in metrics:
             out[stage] = {"wall_s": metrics["wall_time_s"]}
             out[stage].update({k: metrics[k] for k in SHARES if k in metrics})
+            out[stage].update(_weight_means(client, run.info.run_id))
     return out
+
+
+def _weight_means(client, run_id: str) -> dict[str, float]:
+    """Means over the stage's optimizer steps of the stale rows' ESS / N and near-zero share
+    (``ess``, ``near_zero``), from whichever weighting ran."""
+    for prefix in WEIGHTS:
+        ess = [m.value for m in client.get_metric_history(run_id, f"{prefix}/ess")]
+        if ess:
+            near = [m.value for m in client.get_metric_history(run_id, f"{prefix}/near_zero_share")]
+            return {"ess": sum(ess) / len(ess), "near_zero": sum(near) / max(len(near), 1)}
+    return {}
 
 
 def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = None) -> None:
@@ -48,7 +63,7 @@ def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = N
     head = ["seed", "async_level"]
     for s in STAGES:
         head += [f"{s} wall s", f"{s} pass@1", f"{s} on-policy / this"]
-    head += ["rl_1 trainer idle", "rl_1 engine idle"]
+    head += ["rl_1 trainer idle", "rl_1 engine idle", "rl_1 ESS / N", "rl_1 near-zero"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for seed in seeds:
@@ -67,6 +82,8 @@ def report(out: Path, seeds: list[int], levels: list[int], base: Path | None = N
                 cells += [f"{wall:.1f}", f"{acc[s][0]:.1f}%", ratio]
             shares = nums["rl_1"]
             cells += [f"{shares[k_] * 100:.0f}%" if k_ in shares else "-" for k_ in SHARES]
+            cells += [f"{shares[k_] * 100:.1f}%" if k_ in shares else "-"
+                      for k_ in ("ess", "near_zero")]  # fmt: skip
             print("| " + " | ".join(cells) + " |")
 
 
