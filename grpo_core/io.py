@@ -26,11 +26,13 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+    _sweep_interrupted(target)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the pid: a later writer sees it is gone
+    tmp = target.with_name(f".{target.name}.tmp-{tag}")
     try:
         yield tmp
         if target.is_dir() and tmp.is_dir():
-            old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+            old = target.with_name(f".{target.name}.old-{tag}")
             os.replace(target, old)
             os.replace(tmp, target)
             shutil.rmtree(old, ignore_errors=True)
@@ -41,6 +43,32 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         elif tmp.exists():
             tmp.unlink()
+
+
+def _sweep_interrupted(target: Path) -> None:
+    """Leftovers of writes of ``target`` by processes that were killed (SIGKILL runs no
+    ``finally``): their temporaries are removed; a previous version moved aside just before a
+    kill (``.old-``) is put back first when ``target`` itself is missing, so nothing already
+    written is lost. Only names with a pid that no longer runs are touched."""
+    prefix = f".{target.name}."
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: ".old-" not in n):  # a moved-aside version first
+        if not name.startswith(prefix):
+            continue
+        kind, _, tag = name[len(prefix) :].partition("-")
+        pid = tag.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        path = target.parent / name
+        if kind == "old" and not target.exists():
+            os.replace(path, target)
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def link_tree(src: str | Path, dst: str | Path) -> Path:
