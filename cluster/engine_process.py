@@ -12,7 +12,8 @@ order, one at a time; each says when the child started and finished generating
 engine's idle time.
 
 The child ends when the parent closes it (at the latest when the parent exits), and on its
-own when the parent's end of the pipe closes (the parent died). A request that fails comes
+own when the parent's end of the pipe closes or the parent is gone (a watcher thread: a
+SIGKILLed ``grpo`` does not leave it sampling). A request that fails comes
 back as :class:`EngineProcessError` with the child's traceback; the child stays up for the
 next one.
 """
@@ -134,7 +135,9 @@ class EngineProcess:
         # engine, tensor parallelism), which a daemonic process may not; closed at exit
         # (__init__) before multiprocessing joins its children (atexit runs LIFO).
         self._proc = ctx.Process(
-            target=serve, args=(child, self.threads, self.model_section), name="grpo-engine"
+            target=serve,
+            args=(child, self.threads, self.model_section, os.getpid()),
+            name="grpo-engine",
         )
         self._proc.start()
         child.close()
@@ -189,14 +192,16 @@ class EngineProcess:
         self._proc = self._conn = self._holds = None
 
 
-def serve(conn, threads: int, model_section: dict) -> None:
-    """The child: answer sampling requests until told to stop or the parent is gone."""
+def serve(conn, threads: int, model_section: dict, parent: int | None = None) -> None:
+    """The child: answer sampling requests until told to stop or the parent (pid ``parent``)
+    is gone."""
     import torch
 
     from cluster.executor import Local
     from cluster.process import load_policies_with
     from grpo_core.model_config import ModelConfig
 
+    _die_with_parent(parent or os.getppid())
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     load_policies_with(ModelConfig(**model_section))
@@ -214,6 +219,22 @@ def serve(conn, threads: int, model_section: dict) -> None:
             reply = {"error": traceback.format_exc()}
         conn.send(reply)
     local.close()
+
+
+def _die_with_parent(parent: int, every: float = 1.0) -> None:
+    """End this process soon after the parent is gone, even in the middle of a request (the
+    pipe's end of file is only seen between requests): a watcher thread checks that the
+    parent is still the one that started it. Not ``PR_SET_PDEATHSIG``: that fires when the
+    parent *thread* that started the child ends, and the stage's threads come and go.
+    ``parent``: the pid the parent gave (it may have died while this process was starting)."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(every)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="grpo-engine-parent-watch", daemon=True).start()
 
 
 def _answer(local, held: dict, req: dict) -> dict:

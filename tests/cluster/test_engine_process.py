@@ -124,3 +124,70 @@ def test_a_lora_policy_samples_in_the_child_with_its_adapter(tiny_checkpoint, on
         assert _ids(got) == _ids(expected)
     finally:
         executor.close()
+
+
+PARENT = """
+import sys, threading, time
+sys.path.insert(0, {root!r})
+from cluster.executor import Local
+
+
+def main():
+    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.generation import SamplingParams
+    from types import SimpleNamespace
+
+    model, tok = load_checkpoint({ckpt!r})
+    here = SimpleNamespace(checkpoint={ckpt!r}, policy_id="p", model=model, tokenizer=tok)
+    ex = Local()
+    ex.hold("p", lambda: here, {ckpt!r})
+    snap = ex.held_policy("p")
+    params = SamplingParams(n=64, temperature=1.0, max_new_tokens=200, seed=0)  # a long request
+    threading.Thread(target=lambda: ex.sample(snap, [tok.encode("1+1=")] * 512, params, engine="hf",
+        engine_options={{}}, load_options={{}}, check_sync=False, desc="long"), daemon=True).start()
+    while getattr(getattr(getattr(ex, "_engine_process", None), "_proc", None), "pid", None) is None:
+        time.sleep(0.1)
+    print(ex._engine_process._proc.pid, flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":  # the engine process is spawned: it imports this file
+    main()
+"""
+
+
+def test_the_engine_process_ends_when_grpo_is_killed_mid_request(tiny_checkpoint, tmp_path):
+    """Issue 44: a SIGKILLed parent left the engine process sampling; it now ends within a
+    few seconds, in the middle of a request."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[2])
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT.format(root=root, ckpt=str(tiny_checkpoint)))
+    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(12)  # the child has started sampling the long request (minutes of work)
+        assert os.path.exists(f"/proc/{child}")
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(child), "the engine process outlived its parent"
+    finally:
+        parent.kill()
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie waiting for init to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
