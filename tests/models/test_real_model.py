@@ -5,6 +5,7 @@ loads with ``from_pretrained`` (and its adapter with ``PeftModel``) and generate
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,7 +101,11 @@ def test_r1_recipe_on_smollm2(
     assert version.tags["adapter"] == "adapter/"
     info = json.loads((final / "checkpoint_info.json").read_text())
     assert info["lora_base_policy_id"] == policy_id(ws.checkpoint("re_sft"))  # rl_2's start
-    base = AutoModelForCausalLM.from_pretrained(info["lora_base"])
+    # recorded relative to the checkpoint (a moved run folder still finds it): resolve it
+    assert not Path(info["lora_base"]).is_absolute()
+    base_dir, _ = lora.saved_base(final)
+    assert Path(base_dir) == ws.checkpoint("re_sft")
+    base = AutoModelForCausalLM.from_pretrained(base_dir)
     adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
     ids = tok("What is 2 + 3?", return_tensors="pt").input_ids
     with torch.no_grad():
