@@ -199,11 +199,13 @@ def save_checkpoint(
 
 RUN_MARKER = ".grpo-run"  # a run folder's root (tasks/workspace.py writes it)
 INFO_PATHS = ("scored", "lora_base")  # checkpoint_info.json entries that name files
+RELATIVE_TO = "paths_relative_to"  # the entry that says what the relative ones are relative to
 
 
 def info_paths_relative(info: dict, checkpoint: Path) -> dict:
     """``info`` with each path of :data:`INFO_PATHS` inside the checkpoint's run folder
-    recorded relative to the checkpoint folder, so a moved run folder still finds them
+    recorded relative to that folder (and ``paths_relative_to: run folder``), so a moved run
+    folder, or the copy of the checkpoint under ``checkpoints/``, still finds them
     (:func:`info_path` resolves them); paths outside the run folder stay absolute."""
     run = _run_folder(checkpoint)
     if run is None:
@@ -213,17 +215,19 @@ def info_paths_relative(info: dict, checkpoint: Path) -> dict:
         value = out.get(key)
         if isinstance(value, str) and os.path.isabs(value):
             norm = os.path.normpath(value)
-            if norm == run or norm.startswith(run + os.sep):
-                out[key] = os.path.relpath(norm, os.path.abspath(checkpoint))
+            if norm.startswith(run + os.sep):
+                out[key] = os.path.relpath(norm, run)
+                out[RELATIVE_TO] = "run folder"
     return out
 
 
 def info_path(checkpoint: str | Path, value: str) -> str:
     """A path that ``checkpoint_info.json`` records, as a path to use: relative ones are
-    relative to the checkpoint folder."""
+    relative to the run folder holding ``checkpoint``."""
     if os.path.isabs(value):
         return value
-    return os.path.normpath(os.path.join(os.path.abspath(checkpoint), value))
+    run = _run_folder(Path(checkpoint))
+    return os.path.normpath(os.path.join(run, value)) if run else value
 
 
 def _run_folder(path: Path) -> str | None:

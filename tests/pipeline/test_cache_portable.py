@@ -123,12 +123,16 @@ def test_checkpoint_info_names_run_files_relative_to_the_checkpoint(tiny_checkpo
             "elsewhere": str(tmp_path / "data.jsonl")}  # fmt: skip
     ckpt = save_checkpoint(model, tok, run / "rl_1" / "checkpoint", info=info)
     recorded = json.loads((ckpt / "checkpoint_info.json").read_text())
-    assert recorded["scored"] == "../iter_0000/scored.parquet"
-    assert recorded["lora_base"] == "../../cold_start_sft"
+    assert recorded["scored"] == "rl_1/iter_0000/scored.parquet"
+    assert recorded["lora_base"] == "cold_start_sft"
+    assert recorded["paths_relative_to"] == "run folder"
     assert recorded["elsewhere"] == str(tmp_path / "data.jsonl")  # not a recorded path key
+    # the stage's final checkpoint is linked under checkpoints/ (tasks/workspace.py): same run
+    shutil.copytree(ckpt, run / "checkpoints" / "rl_1")
     moved = tmp_path / "moved"
     shutil.move(str(run), str(moved))
     assert saved_base(moved / "rl_1" / "checkpoint") == (str(moved / "cold_start_sft"), "b")
+    assert saved_base(moved / "checkpoints" / "rl_1") == (str(moved / "cold_start_sft"), "b")
     # outside any run folder: absolute, as before
     out = save_checkpoint(model, tok, tmp_path / "loose", info=info)
     assert json.loads((out / "checkpoint_info.json").read_text())["lora_base"] == str(base)
