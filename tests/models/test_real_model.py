@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from cluster import process
 from flows.config import CHECKPOINT_STAGES, load_config
 from grpo_core.checkpoint import policy_id
+from grpo_core.lora import saved_base
 from tasks import policy_cache
 from tasks.workspace import Workspace
 
@@ -103,7 +104,7 @@ def test_r1_recipe_on_smollm2(
     assert info["lora_base_policy_id"] == policy_id(ws.checkpoint("re_sft"))  # rl_2's start
     # recorded relative to the checkpoint (a moved run folder still finds it): resolve it
     assert not Path(info["lora_base"]).is_absolute()
-    base_dir, _ = lora.saved_base(final)
+    base_dir, _ = saved_base(final)
     assert Path(base_dir) == ws.checkpoint("re_sft")
     base = AutoModelForCausalLM.from_pretrained(base_dir)
     adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
