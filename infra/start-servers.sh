@@ -10,6 +10,9 @@
 # Settings (environment variables, defaults in brackets):
 #   GRPO_STATE_DIR   pid files, logs, databases, artifacts      [./.grpo-servers]
 #   GRPO_HOST        bind address                               [127.0.0.1]
+#   GRPO_EXPOSE_UNAUTHENTICATED  1: allow a bind address other than loopback (neither server
+#                    authenticates anyone: put an authenticating proxy or a VPN in front,
+#                    docs/team.md "Beyond one machine")                [unset: refused]
 #   PREFECT_PORT     Prefect API + UI                           [4200]
 #   MLFLOW_PORT      MLflow tracking server + UI                [5000]
 #   MLFLOW_BACKEND_STORE_URI   runs and model registry          [sqlite:///$GRPO_STATE_DIR/mlflow.db]
@@ -29,6 +32,20 @@ POOL="${GRPO_WORK_POOL:-grpo-local}"
 WORKDIR="${GRPO_WORKDIR:-$PWD}"
 TIMEOUT="${GRPO_START_TIMEOUT:-120}"
 
+# Neither server authenticates: through Prefect's API anyone who reaches it runs a deployment
+# with a command of their own on the worker; through MLflow's, uploads files and moves the
+# champion alias. Loopback only, unless the caller says a proxy guards it.
+case "$HOST" in
+    127.* | localhost | ::1) ;;
+    *)
+        if [ "${GRPO_EXPOSE_UNAUTHENTICATED:-}" != 1 ]; then
+            echo "start-servers: GRPO_HOST=$HOST would expose Prefect and MLflow, which authenticate no one, to every machine that reaches it; keep 127.0.0.1 and use an SSH tunnel (ssh -L 4200:localhost:4200 -L 5000:localhost:5000 HOST), or put an authenticating proxy in front and set GRPO_EXPOSE_UNAUTHENTICATED=1 (docs/team.md)" >&2
+            exit 2
+        fi
+        echo "start-servers: warning: Prefect and MLflow on $HOST authenticate no one (GRPO_EXPOSE_UNAUTHENTICATED=1)" >&2
+        ;;
+esac
+
 mkdir -p "$STATE/logs" "$STATE/prefect"
 STATE="$(cd "$STATE" && pwd)"
 BACKEND="${MLFLOW_BACKEND_STORE_URI:-sqlite:///$STATE/mlflow.db}"
@@ -38,6 +55,7 @@ MLFLOW_URL="http://$HOST:$MLFLOW_PORT"
 
 # A copy of the server-side telemetry defaults; the source of truth for Python is flows/env.py.
 export PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true
+
 
 if [ "$#" -eq 0 ]; then set -- prefect mlflow; fi
 for svc in "$@"; do

@@ -8,13 +8,15 @@
 #   bash infra/ray/head-worker.sh          # after `ray start --head` (infra/ray/cluster.yaml)
 #
 # Settings (environment, defaults in brackets): GRPO_WORKSPACE [/mnt/grpo] the file system every
-# node mounts (flow runs start there: runs/, mlflow.db); GRPO_HOST [0.0.0.0] where the servers
-# listen (the UIs from your laptop: ssh -L 4200:localhost:4200 -L 5000:localhost:5000 head).
+# node mounts (flow runs start there: runs/, mlflow.db); GRPO_HOST [127.0.0.1] where the servers
+# listen: the driver and the worker run on the head, and the UIs reach your laptop through a
+# tunnel (ssh -L 4200:localhost:4200 -L 5000:localhost:5000 head); another address needs
+# GRPO_EXPOSE_UNAUTHENTICATED=1 and a proxy that authenticates (docs/team.md).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 WORKSPACE="${GRPO_WORKSPACE:-/mnt/grpo}"
-export GRPO_HOST="${GRPO_HOST:-0.0.0.0}"
+export GRPO_HOST="${GRPO_HOST:-127.0.0.1}"
 export GRPO_WORK_POOL=grpo-ray
 export GRPO_WORKDIR="$WORKSPACE"
 export GRPO_STATE_DIR="${GRPO_STATE_DIR:-$WORKSPACE/.grpo-servers}"
