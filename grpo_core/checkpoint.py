@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_core.io import atomic_path, write_json
+from grpo_core.run_folder import info_paths_relative
 from grpo_core.weights_id import files_id, savable_state_dict
 
 if TYPE_CHECKING:  # torch/transformers load on first use: hashing a checkpoint needs neither
@@ -195,50 +196,6 @@ def save_checkpoint(
         if info:
             write_json(info_paths_relative(info, Path(out_dir)), tmp / "checkpoint_info.json")
     return out_dir
-
-
-RUN_MARKER = ".grpo-run"  # a run folder's root (tasks/workspace.py writes it)
-INFO_PATHS = ("scored", "lora_base")  # checkpoint_info.json entries that name files
-RELATIVE_TO = "paths_relative_to"  # the entry that says what the relative ones are relative to
-
-
-def info_paths_relative(info: dict, checkpoint: Path) -> dict:
-    """``info`` with each path of :data:`INFO_PATHS` inside the checkpoint's run folder
-    recorded relative to that folder (and ``paths_relative_to: run folder``), so a moved run
-    folder, or the copy of the checkpoint under ``checkpoints/``, still finds them
-    (:func:`info_path` resolves them); paths outside the run folder stay absolute."""
-    run = _run_folder(checkpoint)
-    if run is None:
-        return info
-    out = dict(info)
-    for key in INFO_PATHS:
-        value = out.get(key)
-        if isinstance(value, str) and os.path.isabs(value):
-            norm = os.path.normpath(value)
-            if norm.startswith(run + os.sep):
-                out[key] = os.path.relpath(norm, run)
-                out[RELATIVE_TO] = "run folder"
-    return out
-
-
-def info_path(checkpoint: str | Path, value: str) -> str:
-    """A path that ``checkpoint_info.json`` records, as a path to use: relative ones are
-    relative to the run folder holding ``checkpoint``."""
-    if os.path.isabs(value):
-        return value
-    run = _run_folder(Path(checkpoint))
-    return os.path.normpath(os.path.join(run, value)) if run else value
-
-
-def _run_folder(path: Path) -> str | None:
-    here = os.path.abspath(path)
-    while True:
-        if os.path.exists(os.path.join(here, RUN_MARKER)):
-            return here
-        parent = os.path.dirname(here)
-        if parent == here:
-            return None
-        here = parent
 
 
 def _read_memo(path: Path) -> tuple[str, dict[str, tuple[int, int]]] | None:

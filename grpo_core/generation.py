@@ -81,11 +81,16 @@ def _filter_logits(
     return logits
 
 
-def _keeps_last_logits(model) -> bool:
-    """Whether the model's forward takes transformers' ``logits_to_keep`` (a peft wrapper
-    passes it on to the model it wraps)."""
+def _forward_takes(model, name: str) -> bool:
+    """Whether the model's forward takes the keyword ``name`` (a peft wrapper passes it on
+    to the model it wraps)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return name in inspect.signature(inner.forward).parameters
+
+
+def _keeps_last_logits(model) -> bool:
+    """Whether the model's forward takes transformers' ``logits_to_keep``."""
+    return _forward_takes(model, "logits_to_keep")
 
 
 def _left_pad(

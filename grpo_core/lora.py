@@ -165,7 +165,7 @@ def saved_base(checkpoint: str | Path) -> tuple[str, str] | None:
         return None
     if "lora_base" not in info or not (Path(checkpoint) / ADAPTER_DIR).is_dir():
         return None
-    from grpo_core.checkpoint import info_path
+    from grpo_core.run_folder import info_path
 
     return info_path(checkpoint, str(info["lora_base"])), str(info["lora_base_policy_id"])
 

@@ -139,7 +139,14 @@ def generate_batch_static(
 ):
     """``grpo_core.generation._generate_batch`` with fixed shapes (module docstring).
     ``stats``: gets ``decode`` (the mode that ran) and ``steps``."""
-    from grpo_core.generation import _Completions, _left_pad, _next_tokens, _repetition_penalty
+    from grpo_core.generation import (
+        _Completions,
+        _forward_takes,
+        _keeps_last_logits,
+        _left_pad,
+        _next_tokens,
+        _repetition_penalty,
+    )
 
     device = model.device
     B, T = len(prompts), params.max_new_tokens
@@ -157,7 +164,7 @@ def generate_batch_static(
     allowed = (causal[None] & keys[:, None, :]) | eye[None]  # [B, L, K]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
     extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    with_position = _takes_cache_position(model)
+    with_position = _forward_takes(model, "cache_position")
     if with_position:
         extra["cache_position"] = torch.arange(L, device=device)
     logits = model(
@@ -256,16 +263,3 @@ def _rewind(cache, n: int) -> None:
             c.sub_(n)
         elif isinstance(c, int):
             layer.cumulative_length = c - n
-
-
-def _takes_cache_position(model) -> bool:
-    import inspect
-
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache_position" in inspect.signature(inner.forward).parameters
-
-
-def _keeps_last_logits(model) -> bool:
-    from grpo_core.generation import _keeps_last_logits as keeps
-
-    return keeps(model)

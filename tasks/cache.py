@@ -32,9 +32,9 @@ from typing import Any
 from cluster import storage
 from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256
 from grpo_core.io import atomic_path, write_json
+from grpo_core.run_folder import find_run_folder
 
 _PACKAGES = ("grpo_core", "tasks", "cluster")
-RUN_MARKER = ".grpo-run"  # in a run folder's root (tasks/workspace.py)
 _RUN_PATH = "$run_path"
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
 STATS = {"stamp_hits": 0, "hash_checks": 0}
@@ -123,14 +123,7 @@ def run_root(path: str | Path) -> str:
     """The run folder a stage output belongs to: the nearest folder above ``path`` holding
     the marker ``Workspace.create`` writes (``.grpo-run``), else ``path``'s own folder."""
     folder = os.path.dirname(os.path.abspath(path))
-    here = folder
-    while True:
-        if os.path.exists(os.path.join(here, RUN_MARKER)):
-            return here
-        parent = os.path.dirname(here)
-        if parent == here:
-            return folder
-        here = parent
+    return find_run_folder(folder) or folder
 
 
 def portable(value: Any, root: str) -> Any:

@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from grpo_core.run_folder import RUN_MARKER
+
 ROLLOUTS = "rollouts.parquet"
-RUN_MARKER = ".grpo-run"  # = tasks.cache.RUN_MARKER
 SCORED = "scored.parquet"
 
 
