@@ -82,3 +82,24 @@ def _real_scored(ck: Path, d: Path) -> str:
     table = table.append_column("advantage", pa.array([0.7, -0.7], pa.float32()))
     write_parquet(table, d / "real_scored.parquet")
     return str(d / "real_scored.parquet")
+
+
+def _bad_scored(d: Path, fingerprint: str) -> dict[str, str]:
+    """Scored files ``grpo update`` must refuse: row 3's advantage NaN (``scored_nan``) or
+    null (``scored_null``), and every column but no row (``scored_empty``)."""
+    import pyarrow.parquet as pq
+
+    out = {}
+    for name, value in (("nan", float("nan")), ("null", None)):
+        path = Path(_parquet(d / f"scored_{name}.parquet", _rollout_rows(), scored=True,
+                             tokenizer=fingerprint))  # fmt: skip
+        table = pq.read_table(path)
+        adv = table.column("advantage").to_pylist()
+        adv[3] = value
+        i = table.schema.get_field_index("advantage")
+        table = table.set_column(i, table.schema.field(i), pa.array(adv, pa.float32()))
+        pq.write_table(table, path)
+        out[f"scored_{name}"] = str(path)
+    pq.write_table(pq.read_table(out["scored_nan"]).slice(0, 0), d / "scored_empty.parquet")
+    out["scored_empty"] = str(d / "scored_empty.parquet")
+    return out

@@ -14,13 +14,12 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from fail_fast_inputs import (
     GOOD_RL,
     GOOD_SFT,
     ROOT,
+    _bad_scored,
     _checkpoint,
     _jsonl,
     _parquet,
@@ -107,19 +106,7 @@ def inputs(tmp_path_factory, tiny_checkpoint):
     p["scored_no_adv"] = _parquet(
         d / "scored_noadv.parquet", _rollout_rows(), scored=True, drop=["advantage"]
     )
-    for name, value in (("nan", float("nan")), ("null", None)):
-        path = Path(_parquet(d / f"scored_{name}.parquet", _rollout_rows(), scored=True,
-                             tokenizer=fp))  # fmt: skip
-        table = pq.read_table(path)
-        adv = table.column("advantage").to_pylist()
-        adv[3] = value
-        i = table.schema.get_field_index("advantage")
-        table = table.set_column(i, table.schema.field(i), pa.array(adv, pa.float32()))
-        pq.write_table(table, path)
-        p[f"scored_{name}"] = str(path)
-    empty = pq.read_table(p["scored_nan"]).slice(0, 0)  # every column, no row
-    pq.write_table(empty, d / "scored_empty.parquet")
-    p["scored_empty"] = str(d / "scored_empty.parquet")
+    p.update(_bad_scored(d, fp))  # a NaN advantage, a null one, no rows
     (d / "dup.yaml").write_text("seed: 1\nrl:\n  iterations: 3\nseed: 2\n")
     p["dup_yaml"] = str(d / "dup.yaml")
     # a real rollout file of the tiny policy, and a policy whose tokenizer has the same
