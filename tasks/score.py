@@ -174,7 +174,7 @@ def score(
     rl: RLConfig,
     force: bool = False,
 ) -> ScoreOutcome:
-    key = stage_key("score", {"rewards": weights, **score_options(rl)}, [rollouts_path])
+    key = score_key(weights, rl, rollouts_path)
 
     def compute() -> ScoreOutcome:
         out = score_file(
@@ -195,6 +195,12 @@ def score(
         return out
 
     return cached(f"{stage} iteration {iteration} score", out_path, key, compute, force=force)
+
+
+def score_key(weights: dict[str, float], rl: RLConfig, rollouts_path: str) -> str:
+    """The score stage's cache key: the reward weights, the scoring settings and the
+    rollout file's content."""
+    return stage_key("score", {"rewards": weights, **score_options(rl)}, [rollouts_path])
 
 
 def score_options(rl: RLConfig) -> dict:

@@ -252,6 +252,24 @@ def replay(ref: PolicyRef) -> str:
     return out.policy_id
 
 
+def update_key(
+    rl: RLConfig,
+    policy_checkpoint: str,
+    scored_path: str,
+    reference_checkpoint: str | None,
+    *,
+    global_step: int,
+    total_steps: int | None,
+    seed: int,
+) -> str:
+    """The update's cache key: the RL settings that change its result, where the stage is,
+    and the contents of the policy, the scored file and (beta > 0) the reference."""
+    knobs = rl.model_dump(exclude=UNKEYED)
+    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
+    settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
+    return stage_key("update", settings, inputs)
+
+
 @task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
 def update(
     stage: str,
@@ -276,10 +294,8 @@ def update(
     ``ref_path`` (an RL stage's iteration): the update records its policy there
     (tasks/policy_ref.py) and that record is its cached output, whether the weights were
     written to ``out_checkpoint`` (``keep``: a save point) or stay in memory."""
-    knobs = rl.model_dump(exclude=UNKEYED)
-    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
-    settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
-    key = stage_key("update", settings, inputs)
+    key = update_key(rl, policy_checkpoint, scored_path, reference_checkpoint,
+                     global_step=global_step, total_steps=total_steps, seed=seed)  # fmt: skip
     args = dict(
         policy_checkpoint=policy_checkpoint,
         scored_path=scored_path,
