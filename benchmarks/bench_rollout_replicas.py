@@ -69,15 +69,16 @@ def _replica_row(w: int, args, ckpt: Path, moved: Path, model, model2, tok, prom
     from cluster import rollout_workers
     from cluster.config import ClusterConfig
     from grpo_core.checkpoint import policy_id
+    from grpo_core.turns import SampleRequest
 
     cfg = ClusterConfig(backend="ray", rollout={"workers": w, "num_cpus": 1})
-    kw = dict(tokenizer=tok, engine="hf", load_options={"dtype": "float32"})
-    kw.update(checkpoint=str(ckpt), policy_id=policy_id(ckpt), model=model)
+    request = SampleRequest(params, load_options={"dtype": "float32"})
+    kw = dict(tokenizer=tok, checkpoint=str(ckpt), policy_id=policy_id(ckpt), model=model)
     t0 = time.perf_counter()
-    rollout_workers.sample(cfg, prompt_ids[:w], params, **kw)
+    rollout_workers.sample(cfg, prompt_ids[:w], request, **kw)
     start = time.perf_counter() - t0
     med, samples = _timed(
-        lambda: rollout_workers.sample(cfg, prompt_ids, params, **kw), args.repeats
+        lambda: rollout_workers.sample(cfg, prompt_ids, request, **kw), args.repeats
     )
     (group,) = rollout_workers.groups()
     t0 = time.perf_counter()

@@ -70,9 +70,11 @@ def _row(cfg, checkpoint: Path, how: str, a) -> dict:
     pid = trainer_group(cfg).run(_warm_on_rank, {"checkpoint": str(checkpoint)}, what="load")
     p = files(checkpoint)
     from grpo_core.generation import SamplingParams
+    from grpo_core.turns import SampleRequest
 
     params = SamplingParams(n=1, max_new_tokens=1, temperature=0.0)
-    rollout_workers.sample(cfg, [[1, 2]], params, checkpoint=str(checkpoint), policy_id=pid,
+    request = SampleRequest(params)
+    rollout_workers.sample(cfg, [[1, 2]], request, checkpoint=str(checkpoint), policy_id=pid,
                            model=None, tokenizer=p.tokenizer, config=p.config)  # fmt: skip
     (group,) = rollout_workers.groups()
     seconds = []

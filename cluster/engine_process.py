@@ -144,32 +144,29 @@ class EngineProcess:
         self._conn, self._holds = parent, None
         log.info("started the engine process (pid %d, %d threads)", self._proc.pid, self.threads)
 
-    def sample(self, snap: Snapshot, prompt_ids, params, *, engine: str, engine_options,
-               load_options, check_sync: bool, desc: str) -> list:  # fmt: skip
+    def sample(self, snap: Snapshot, prompt_ids, request) -> list:
+        """``request`` (a ``grpo_core.turns.SampleRequest``) on ``snap``'s weights."""
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
-            request = {
+            message = {
                 "source": str(snap.checkpoint),
                 "policy_id": snap.policy_id,
                 "state": None if self._holds == snap.policy_id else snap.state,
                 "prompt_ids": prompt_ids,
-                "params": params,
-                "engine": engine,
-                "engine_options": dict(engine_options or {}),
-                "load_options": dict(load_options or {}),
-                "check_sync": check_sync,
-                "desc": desc,
+                "request": request,
             }
             try:
-                self._conn.send(request)
+                self._conn.send(message)
                 reply = self._conn.recv()
             except (EOFError, OSError) as e:  # the child died mid-request
                 self._close_locked()
-                raise EngineProcessError(f"the engine process died during {desc}: {e}") from e
+                raise EngineProcessError(
+                    f"the engine process died during {request.desc}: {e}"
+                ) from e
             if reply["error"]:
                 self._holds = None  # a failure may leave the weights half loaded
-                raise EngineProcessError(f"{desc} in the engine process:\n{reply['error']}")
+                raise EngineProcessError(f"{request.desc} in the engine process:\n{reply['error']}")
             self._holds = snap.policy_id
             snap.dtype = reply["dtype"]
             self.served.span = (reply["start"], reply["end"])
@@ -242,18 +239,18 @@ def _answer(local, held: dict, req: dict) -> dict:
     came with it, then the engine's samples."""
     from grpo_core.checkpoint import dtype_name, load_checkpoint
 
-    source = req["source"]
+    source, request = req["source"], req["request"]
     fresh = source not in held
     if fresh:
         held.clear()  # one architecture at a time
-        held[source] = load_checkpoint(source, **req["load_options"])
+        held[source] = load_checkpoint(source, **request.load_options)
     model, tokenizer = held[source]
-    if fresh and req["engine"] != "hf":
+    if fresh and request.engine != "hf":
         # a kept engine starts from the checkpoint's weights, not the snapshot's: started
         # here under an id of its own, it is synced to the snapshot's below
         saved = SimpleNamespace(checkpoint=Path(source), policy_id=f"{source} (as saved)",
                                 model=model, tokenizer=tokenizer)  # fmt: skip
-        local.engine(saved, req["engine"], req["engine_options"], check_sync=False)
+        local.engine(saved, request.engine, request.engine_options, check_sync=False)
     if req["state"] is not None:
         model.load_state_dict(unpack(req["state"]), strict=True)
     model.eval()
@@ -261,16 +258,7 @@ def _answer(local, held: dict, req: dict) -> dict:
         checkpoint=Path(source), policy_id=req["policy_id"], model=model, tokenizer=tokenizer
     )
     start = time.monotonic()
-    samples = local.sample(
-        policy,
-        req["prompt_ids"],
-        req["params"],
-        engine=req["engine"],
-        engine_options=req["engine_options"],
-        load_options=req["load_options"],
-        check_sync=req["check_sync"],
-        desc=req["desc"],
-    )
+    samples = local.sample(policy, req["prompt_ids"], request)
     end = time.monotonic()
     return {"error": None, "samples": samples, "start": start, "end": end,
             "dtype": dtype_name(model)}  # fmt: skip

@@ -22,7 +22,9 @@ generate) locally, on the rollout replicas on Ray (:class:`Sampler`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
 from grpo_core.engines import WarmEngines
+from grpo_core.turns import SampleRequest, run_turns
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class Local:
         self.engines = WarmEngines()  # kept alive across iterations, weights synced in memory
         self.held: dict[str, Any] = {}  # policy_id -> engine_process.Snapshot
         self._engine_process = None  # started with the first snapshot sampled
+        self._threads: int | None = None  # torch threads before an overlapping stage
 
     def hold(self, policy_id: str, load: Callable[[], Policy], source: str | Path) -> None:
         """Freeze the weights of ``policy_id`` (``load()``: the warm policy holding them)
@@ -82,9 +86,33 @@ class Local:
         self.held.pop(policy_id, None)
 
     def overlap(self, on: bool) -> None:
-        """An RL stage starts (``on``) or ends overlapping rollouts with updates."""
+        """An RL stage starts (``on``) or ends overlapping rollouts with updates. While on,
+        this process keeps the cores the engine process does not take (its torch threads are
+        set back at the end)."""
+        import torch
+
+        if on and self._threads is None:
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(trainer_threads(self.cfg, self._threads))
         if not on:
             self.held.clear()
+            if self._threads is not None:
+                torch.set_num_threads(self._threads)
+                self._threads = None
+
+    def wants_weights(self, request: SampleRequest) -> bool:
+        """Whether sampling ``request`` needs the policy's weights in this process (else a
+        handle on its checkpoint will do: ``tasks/policy_files.py``)."""
+        return True
+
+    def eval_sampler(self, policy: Policy, request: SampleRequest):
+        """What generates a held-out eval's completions of ``policy``: None (HF generate on
+        the warm policy in this process), or this process's warm engine."""
+        if request.engine == "hf":
+            return None
+        return self.engine(
+            policy, request.engine, request.engine_options, check_sync=request.check_sync
+        )
 
     def served_here(self) -> tuple | None:
         """``(start, end)`` (``time.monotonic``) of the engine process's work on this
@@ -129,30 +157,20 @@ class Local:
             check_sync=check_sync,
         )
 
-    def sample(
-        self,
-        policy: Policy,
-        prompt_ids: list[list[int]],
-        params,
-        *,
-        engine: str,
-        engine_options: Mapping | None,
-        load_options: Mapping[str, Any] | None,
-        check_sync: bool,
-        desc: str,
-    ) -> list:
+    def sample(self, policy: Policy, prompt_ids: list[list[int]], request: SampleRequest) -> list:
+        """``request`` (grpo_core/turns.py) for each prompt, through the turn loop, with this
+        process's engine; a held snapshot's with the engine process."""
         if policy.model is None:  # a snapshot (:meth:`hold`): the engine process samples it
-            return self._elsewhere().sample(
-                policy, prompt_ids, params, engine=engine, engine_options=engine_options,
-                load_options=load_options, check_sync=check_sync, desc=desc,
-            )  # fmt: skip
+            return self._elsewhere().sample(policy, prompt_ids, request)
         train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
-        if (engine_options or {}).get("offload_optimizer") and train is not None:
+        if request.engine_options.get("offload_optimizer") and train is not None:
             from grpo_core import offload  # back before the next step: tasks/policy_cache.py
 
             offload.offload(train.optimizer)  # before the engine wakes: room for its KV cache
-        eng = self.engine(policy, engine, engine_options, check_sync=check_sync)
-        samples = eng.generate(prompt_ids, params, desc=desc)
+        eng = self.engine(
+            policy, request.engine, request.engine_options, check_sync=request.check_sync
+        )
+        samples = run_turns(eng, prompt_ids, request.params, desc=request.desc, progress=True)
         eng.sleep()  # frees accelerator memory for the update where the engine supports it
         return samples
 
@@ -198,11 +216,21 @@ class OnRay(Local):
 
     def overlap(self, on: bool) -> None:
         """While on, the replicas read each policy's checkpoint (the trainer group wrote
-        it): the weight bus would wait for the trainer group, busy with the next update."""
+        it): the weight bus would wait for the trainer group, busy with the next update.
+        This process's threads stay: it samples nothing."""
         self.overlapped = on
 
     def hold(self, policy_id, load, source) -> None:
         """Nothing to freeze: the replicas read the checkpoint."""
+
+    def wants_weights(self, request: SampleRequest) -> bool:
+        """The replicas load the checkpoint; the driver's copy only for the sync probe."""
+        return request.check_sync
+
+    def eval_sampler(self, policy, request: SampleRequest):
+        """The rollout replicas (the driver, often on a node without a GPU, holds no
+        engine)."""
+        return Sampler(self, policy, request)
 
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)
@@ -212,27 +240,22 @@ class OnRay(Local):
 
         return rollout_workers.replica_dtype()
 
-    def sample(self, policy, prompt_ids, params, *, engine, engine_options, load_options,
-               check_sync, desc):  # fmt: skip
+    def sample(self, policy, prompt_ids, request: SampleRequest) -> list:
         """On the replicas; ``policy.model`` None (``tasks/policy_files.py``): they load the
         weights from ``policy.checkpoint`` themselves."""
         from cluster import rollout_workers
         from cluster.process import STATE
 
+        options = with_lora_rank(request.engine_options, STATE.model)
         return rollout_workers.sample(
             self.cfg,
             prompt_ids,
-            params,
+            dataclasses.replace(request, engine_options=options),
             checkpoint=str(policy.checkpoint),
             policy_id=policy.policy_id,
             model=policy.model,
             config=policy.config,
             tokenizer=policy.tokenizer,
-            engine=engine,
-            engine_options=with_lora_rank(engine_options, STATE.model),
-            load_options=load_options,
-            check_sync=check_sync,
-            desc=desc,
             bus=not self.overlapped,
         )
 
@@ -263,6 +286,16 @@ class OnRay(Local):
             raise
 
 
+def trainer_threads(cfg: ClusterConfig, now: int) -> int:
+    """This process's torch threads beside the engine process: ``cluster.trainer.num_cpus``
+    when set, else the cores the engine's ``cluster.rollout.num_cpus`` leave (at most
+    ``now``)."""
+    if "num_cpus" in cfg.trainer.model_fields_set:
+        return max(1, int(cfg.trainer.num_cpus))
+    engine = max(1, int(cfg.rollout.num_cpus))
+    return max(1, min(now, (os.cpu_count() or 1) - engine))
+
+
 def for_config(cfg: ClusterConfig) -> Local:
     return OnRay(cfg) if cfg.uses_ray else Local(cfg)
 
@@ -274,22 +307,13 @@ class Sampler:
 
     name = "sampler"
 
-    def __init__(self, executor: Local, policy: Policy, spec: Mapping, load_options) -> None:
-        self.executor, self.policy = executor, policy
-        self.spec, self.load_options = spec, load_options
+    def __init__(self, executor: Local, policy: Policy, request: SampleRequest) -> None:
+        self.executor, self.policy, self.request = executor, policy, request
 
     @property
     def config(self):  # the model's positions, for the prompt-length check
         return self.policy.config
 
     def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
-        return self.executor.sample(
-            self.policy,
-            prompt_ids,
-            params,
-            engine=self.spec["name"],
-            engine_options=self.spec["options"],
-            load_options=self.load_options,
-            check_sync=self.spec["check_sync"],
-            desc=desc,
-        )
+        request = self.request.with_params(params, desc)
+        return self.executor.sample(self.policy, prompt_ids, request)

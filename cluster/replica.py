@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from cluster.config import WorkerSettings
 
 if TYPE_CHECKING:
-    from grpo_core.generation import Sample, SamplingParams
+    from grpo_core.generation import Sample
+    from grpo_core.turns import SampleRequest
 
 
 class Replica:
@@ -67,9 +68,14 @@ class Replica:
         if saved:
             self.engine.use_adapter(Path(checkpoint) / lora.ADAPTER_DIR)
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[Sample]:
+    def generate(self, prompt_ids: list[list[int]], request: SampleRequest) -> list[Sample]:
+        """This shard's episodes, through the turn loop (grpo_core/turns.py)."""
+        from grpo_core.turns import run_turns
+
         self.engine.wake_up()
-        samples = self.engine.generate(prompt_ids, params, progress=False)
+        samples = run_turns(
+            self.engine, prompt_ids, request.params, desc=request.desc, progress=False
+        )
         self.engine.sleep()
         return samples
 

@@ -30,14 +30,15 @@ import json
 import logging
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cluster import resources
 from cluster.config import ClusterConfig, RolloutSettings
 from cluster.replica import Replica, actor_options, takes_adapters
 
 if TYPE_CHECKING:
-    from grpo_core.generation import Sample, SamplingParams
+    from grpo_core.generation import Sample
+    from grpo_core.turns import SampleRequest
 
 log = logging.getLogger(__name__)
 
@@ -199,22 +200,23 @@ class RolloutGroup:
     def generate(
         self,
         prompt_ids: list[list[int]],
-        params: SamplingParams,
+        request: SampleRequest,
         *,
         checkpoint: str,
         policy_id: str,
-        desc: str = "rollout",
         retries: int = 1,
     ) -> list[Sample]:
-        """``params.n`` samples per prompt from the replicas (already synced to
+        """``request.params.n`` samples per prompt from the replicas (already synced to
         ``policy_id``), in prompt-major order; shard k samples with ``shard_seed(seed, k)``."""
+        desc, params = request.desc, request.params
         self.served.append(desc)
         ranges = shards(len(prompt_ids), len(self.actors))
-        shard_params = [
-            dataclasses.replace(params, seed=shard_seed(params.seed, k)) for k in range(len(ranges))
+        shard_requests = [
+            request.with_params(dataclasses.replace(params, seed=shard_seed(params.seed, k)))
+            for k in range(len(ranges))
         ]
         calls = [
-            self.actors[k].generate.remote(prompt_ids[a:b], shard_params[k])
+            self.actors[k].generate.remote(prompt_ids[a:b], shard_requests[k])
             for k, (a, b) in enumerate(ranges)
         ]
         self.inflight = calls
@@ -235,7 +237,7 @@ class RolloutGroup:
                             b - a,
                         )
                         self.replace(k, checkpoint, policy_id)
-                        call = self.actors[k].generate.remote(prompt_ids[a:b], shard_params[k])
+                        call = self.actors[k].generate.remote(prompt_ids[a:b], shard_requests[k])
                 out.extend(dataclasses.replace(s, prompt_index=s.prompt_index + a) for s in part)
         finally:
             self.inflight = []
@@ -290,28 +292,25 @@ def _key(cfg: ClusterConfig, engine: str, engine_options, load_options, config) 
 def sample(
     cfg: ClusterConfig,
     prompt_ids: list[list[int]],
-    params: SamplingParams,
+    request: SampleRequest,
     *,
     checkpoint: str,
     policy_id: str,
     model,
     tokenizer,
     config=None,
-    engine: str = "hf",
-    engine_options: Mapping | None = None,
-    load_options: Mapping[str, Any] | None = None,
-    check_sync: bool = False,
-    desc: str = "rollout",
     retries: int = 1,
     bus: bool = True,
 ) -> list[Sample]:
-    """Sample on the process's rollout replicas (started on first use, then synced to
-    ``model``'s weights whenever ``policy_id`` changes; ``model`` None: they load
-    ``checkpoint`` themselves, ``config`` its config); a replica that dies is replaced and
-    its shard redone ``retries`` times."""
+    """Sample ``request`` (grpo_core/turns.py) on the process's rollout replicas (started on
+    first use, then synced to ``model``'s weights whenever ``policy_id`` changes; ``model``
+    None: they load ``checkpoint`` themselves, ``config`` its config); a replica that dies
+    is replaced and its shard redone ``retries`` times."""
     from cluster.runtime import ensure_ray
 
     ray = ensure_ray(cfg)
+    engine, engine_options = request.engine, request.engine_options
+    load_options = request.load_options
     key = _key(
         cfg, engine, engine_options, load_options, model.config if config is None else config
     )
@@ -331,14 +330,9 @@ def sample(
                 policy_id=policy_id,
                 tokenizer=tokenizer,
             )
-        group.sync(str(checkpoint), policy_id, model, tokenizer, check=check_sync, bus=bus)
+        group.sync(str(checkpoint), policy_id, model, tokenizer, check=request.check_sync, bus=bus)
         return group.generate(
-            prompt_ids,
-            params,
-            checkpoint=str(checkpoint),
-            policy_id=policy_id,
-            desc=desc,
-            retries=retries,
+            prompt_ids, request, checkpoint=str(checkpoint), policy_id=policy_id, retries=retries
         )
 
 

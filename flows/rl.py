@@ -18,7 +18,6 @@ over the stage's optimizer steps.
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -152,7 +151,6 @@ class _Iterations:
     seed: int
     engine: dict | None
     force: bool
-    threads: int | None = None  # this process's torch threads before the stage
 
     def _args(self, it: int, policy: str) -> tuple:
         out = str(self.ws.rollouts(self.stage, it))
@@ -184,17 +182,11 @@ class _Iterations:
         return roll, scored
 
     def overlap(self) -> Overlap | None:
-        """The async schedule (None: on-policy); its first rollouts are submitted now. With
-        the local engine process, this process keeps the cores it does not take."""
+        """The async schedule (None: on-policy); its first rollouts are submitted now."""
         if not self.rl.async_level:
             return None
         executor = runtime.executor()
-        executor.overlap(True)
-        if not executor.remote_sampling:
-            import torch
-
-            self.threads = torch.get_num_threads()
-            torch.set_num_threads(_trainer_threads(executor.cfg, self.threads))
+        executor.overlap(True)  # the local engine process: this process keeps the other cores
         overlap = Overlap(
             self.rl.async_level,
             self.rl.iterations,
@@ -212,20 +204,6 @@ class _Iterations:
             overlap.cancel()
         if self.rl.async_level:
             runtime.executor().overlap(False)
-        if self.threads is not None:
-            import torch
-
-            torch.set_num_threads(self.threads)
-
-
-def _trainer_threads(cfg, now: int) -> int:
-    """This process's torch threads beside the engine process: ``cluster.trainer.num_cpus``
-    when set, else the cores the engine's ``cluster.rollout.num_cpus`` leave (at most
-    ``now``)."""
-    if "num_cpus" in cfg.trainer.model_fields_set:
-        return max(1, int(cfg.trainer.num_cpus))
-    engine = max(1, int(cfg.rollout.num_cpus))
-    return max(1, min(now, (os.cpu_count() or 1) - engine))
 
 
 def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:

@@ -138,9 +138,12 @@ def build_batch(
     truncated: list[bool] | None = None,
     group_ids: list[int] | None = None,
     sampling_logprobs: list[list[float]] | None = None,
+    loss_masks: list[list[int] | None] | None = None,
 ) -> UpdateBatch:
     """Pad rollouts into an :class:`UpdateBatch`. ``truncated`` rows get an all-zero mask
-    (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous."""
+    (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous.
+    ``loss_masks``: per row, which completion tokens the model wrote (1) and which an
+    environment added (0: no loss, not counted in any normaliser); None: all the model's."""
     import numpy as np  # row-by-row fills in numpy: ~10x fewer tiny torch ops
 
     N = len(prompt_ids)
@@ -153,7 +156,7 @@ def build_batch(
         ids[i, P - len(p) : P] = p
         attn[i, P - len(p) : P + len(c)] = 1
         ids[i, P : P + len(c)] = c
-        comp[i, : len(c)] = 1.0
+        comp[i, : len(c)] = 1.0 if loss_masks is None or loss_masks[i] is None else loss_masks[i]
     ids, attn, comp_mask = torch.from_numpy(ids), torch.from_numpy(attn), torch.from_numpy(comp)
     if truncated is not None:
         comp_mask = mask_truncated_completions(comp_mask, torch.tensor(truncated, dtype=torch.bool))

@@ -52,6 +52,12 @@ class Sample:
     completion_ids: list[int]
     logprobs: list[float]  # sampling policy's logprob of each completion token
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    # which completion tokens the model wrote (1) and which an environment added (0, no
+    # loss); None: all of them the model's (one turn: grpo_core/turns.py)
+    loss_mask: list[int] | None = None
+    # the episode's turns in order, each {"role", "start", "end"} (token span of the
+    # completion); None: one assistant turn spanning the completion
+    turns: list[dict] | None = None
 
 
 def _repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -39,8 +39,15 @@ ROLLOUT_COLUMNS = {
     "policy_id": "content hash of the checkpoint that sampled the row",
     "iteration": "RL iteration (generation batch) that produced the row",
 }
-# Read without them: files from before schema 2 (or from other tools) group by prompt_id.
-OPTIONAL_COLUMNS = ("group_idx",)
+# Read without them: files from before schema 2 (or from other tools) group by prompt_id;
+# the episode columns are written only when some episode has more than the model's one turn.
+OPTIONAL_COLUMNS = ("group_idx", "loss_mask", "turns")
+EPISODE_COLUMNS = {
+    "loss_mask": "per completion token: 1 the model wrote it, 0 an environment added it (no "
+    "loss); absent: every token the model's",
+    "turns": "the episode's turns, each {role, start, end}: token span in the completion; "
+    "absent: one assistant turn",
+}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
     "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
@@ -84,6 +91,8 @@ def rollout_table(
     # once per prompt, not once per completion (the chat template is rendered in Python)
     hashes = {i: prompt_hash(rows[i]["prompt"]) for i in {s.prompt_index for s in samples}}
     texts = {i: prompt_text(tokenizer, rows[i]["prompt"]) for i in hashes}
+    # multi-turn episodes (grpo_core/turns.py): every row gets the episode columns
+    episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -101,6 +110,11 @@ def rollout_table(
             "policy_id": policy_id,
             "iteration": iteration,
         }
+        if episodes:
+            rec["loss_mask"] = s.loss_mask or [1] * len(s.completion_ids)
+            rec["turns"] = s.turns or [
+                {"role": "assistant", "start": 0, "end": len(s.completion_ids)}
+            ]
         for k, v in row.items():
             if k not in rec and k != "completion":
                 rec[k] = v

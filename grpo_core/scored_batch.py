@@ -60,7 +60,16 @@ class ScoredRows:
             truncated=truncated,
             group_ids=[self.group_ids[i] for i in self.keep],
             sampling_logprobs=pick("completion_logprobs") if sampling_logprobs else None,
+            loss_masks=self._loss_masks(),
         )
+
+    def _loss_masks(self) -> list[list[int] | None] | None:
+        """The kept rows' ``loss_mask`` (multi-turn rollouts: 0 on tokens an environment
+        added), or None when the file has none (every completion token the model's)."""
+        if "loss_mask" not in self.table.column_names:
+            return None
+        masks = self.table.column("loss_mask").to_pylist()
+        return [masks[i] for i in self.keep]
 
 
 def _check_finite(advantages: list, path) -> None:

@@ -14,6 +14,7 @@ from cluster import runtime
 from grpo_core.config import EvalConfig
 from grpo_core.data import load_rows
 from grpo_core.io import atomic_path, write_parquet
+from grpo_core.turns import SampleRequest
 from tasks import policy_cache
 from tasks.cache import cached, lookup, stage_key
 from tasks.results import EvalOutcome
@@ -63,8 +64,14 @@ def _evaluate(
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
-    w = policy_for(runtime.executor(), checkpoint, engine)  # on Ray: no weights in memory
-    eng = _engine(w, engine)
+    # what generates the completions, as the executor says: the rollout replicas (ray:
+    # no weights in this process), this process's warm engine (vllm), or HF generate on the
+    # warm policy (None)
+    executor = runtime.executor()
+    load = policy_cache.options().load_kwargs(trainer=False)
+    request = SampleRequest.of(engine, None, load_options=load, desc="eval")
+    w = policy_for(executor, checkpoint, request)
+    eng = executor.eval_sampler(w, request)
     with timer() as t:
         result = evaluate(
             w.model,
@@ -93,21 +100,6 @@ def _evaluate(
         policy_id=w.policy_id,
         samples=result.table[: cfg.sample_table_rows],
     )
-
-
-def _engine(w, engine: dict):
-    """What generates the eval's completions: the rollout replicas (``cluster.backend:
-    ray``), this process's warm engine (vllm), or HF generate on the warm policy (None)."""
-    from cluster.executor import Sampler
-
-    executor = runtime.executor()
-    if executor.remote_sampling:
-        return Sampler(executor, w, engine, policy_cache.options().load_kwargs(trainer=False))
-    if engine["name"] != "hf":
-        return executor.engine(
-            w, engine["name"], engine["options"], check_sync=engine["check_sync"]
-        )
-    return None
 
 
 @task(name="evaluate", task_run_name="eval-{stage}", cache_policy=NO_CACHE)

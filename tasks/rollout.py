@@ -22,6 +22,7 @@ from grpo_core.io import write_parquet
 from grpo_core.rollouts import rollout_table
 from grpo_core.settings import Sampling
 from grpo_core.text import encode_prompt
+from grpo_core.turns import SampleRequest
 from tasks import policy_cache
 from tasks.cache import cached, stage_key
 from tasks.results import RolloutResult
@@ -89,24 +90,18 @@ def write_rollouts(
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
+    # load_options: a process that loads its own copy loads it as this one does
+    load = policy_cache.options().load_kwargs(trainer=False)
+    request = SampleRequest.of(engine, params, load_options=load, desc=desc)
     held = executor.held_policy(policy_cache.policy_id(policy_checkpoint))
-    w = held or policy_for(executor, policy_checkpoint, engine)  # held: rl.async_level
+    w = held or policy_for(executor, policy_checkpoint, request)  # held: rl.async_level
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
         field="max_completion_length", source=desc,
     )  # fmt: skip
     with timer() as t:
-        samples = executor.sample(
-            w,
-            prompt_ids,
-            params,
-            engine=engine["name"],
-            engine_options=engine["options"],
-            load_options=policy_cache.options().load_kwargs(trainer=False),  # as this process
-            check_sync=engine["check_sync"],
-            desc=desc,
-        )
+        samples = executor.sample(w, prompt_ids, request)
     meta = _metadata(policy_checkpoint, engine, params, executor.rollout_shards(len(rows)),
                      executor.sampled_dtype(w))  # fmt: skip
     tok = w.tokenizer
@@ -118,11 +113,11 @@ def write_rollouts(
     return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
 
 
-def policy_for(executor, checkpoint: str, engine: dict):
-    """The policy to sample from: without its weights in memory where the rollout replicas
-    load them (``tasks/policy_files.py``), unless the sync probe needs the trainer's model;
-    else the warm policy."""
-    if executor.remote_sampling and not engine["check_sync"]:
+def policy_for(executor, checkpoint: str, request: SampleRequest):
+    """The policy to sample from: the warm policy, or, where the executor's samplers load
+    the weights themselves (the rollout replicas), a handle without them
+    (``tasks/policy_files.py``)."""
+    if not executor.wants_weights(request):
         from tasks.policy_files import files
 
         return files(checkpoint)

@@ -14,6 +14,7 @@ from cluster.engine_process import EngineProcessError
 from cluster.executor import Local
 from grpo_core.checkpoint import load_checkpoint
 from grpo_core.generation import SamplingParams
+from grpo_core.turns import SampleRequest
 
 
 def _policy(path, pid: str):
@@ -25,8 +26,7 @@ def _policy(path, pid: str):
 
 def _sample(executor: Local, policy, prompts, seed: int = 3):
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=seed)
-    return executor.sample(policy, prompts, params, engine="hf", engine_options={},
-                           load_options={}, check_sync=False, desc="test")  # fmt: skip
+    return executor.sample(policy, prompts, SampleRequest(params, desc="test"))
 
 
 def _ids(samples):
@@ -135,6 +135,7 @@ from cluster.executor import Local
 def main():
     from grpo_core.checkpoint import load_checkpoint
     from grpo_core.generation import SamplingParams
+    from grpo_core.turns import SampleRequest
     from types import SimpleNamespace
 
     model, tok = load_checkpoint({ckpt!r})
@@ -143,8 +144,9 @@ def main():
     ex.hold("p", lambda: here, {ckpt!r})
     snap = ex.held_policy("p")
     params = SamplingParams(n=64, temperature=1.0, max_new_tokens=200, seed=0)  # a long request
-    threading.Thread(target=lambda: ex.sample(snap, [tok.encode("1+1=")] * 512, params, engine="hf",
-        engine_options={{}}, load_options={{}}, check_sync=False, desc="long"), daemon=True).start()
+    request = SampleRequest(params, desc="long")
+    threading.Thread(target=lambda: ex.sample(snap, [tok.encode("1+1=")] * 512, request),
+                     daemon=True).start()
     while getattr(getattr(getattr(ex, "_engine_process", None), "_proc", None), "pid", None) is None:
         time.sleep(0.1)
     print(ex._engine_process._proc.pid, flush=True)

@@ -153,6 +153,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
     from grpo_core.checkpoint import load_checkpoint, policy_id
     from grpo_core.generation import SamplingParams
     from grpo_core.text import encode_prompt
+    from grpo_core.turns import SampleRequest
     from tasks import policy_cache
 
     model, tok = load_checkpoint(tiny_checkpoint)
@@ -163,13 +164,15 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
         lambda: rollout_workers.sample(
             ray_cluster(),
             prompt_ids,
-            params,
+            SampleRequest(
+                params,
+                load_options=policy_cache.options().load_kwargs(trainer=False),  # as the task
+                desc="rl_1 it3 rollout",
+            ),
             checkpoint=str(tiny_checkpoint),
             policy_id=policy_id(tiny_checkpoint),
             model=model,
             tokenizer=tok,
-            load_options=policy_cache.options().load_kwargs(trainer=False),  # as tasks/rollout.py
-            desc="rl_1 it3 rollout",
             retries=0,
         ),
     )

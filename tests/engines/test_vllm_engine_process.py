@@ -14,6 +14,7 @@ from engines_support import prompts, reference_logprobs
 
 from grpo_core.engines import vllm_available
 from grpo_core.generation import SamplingParams
+from grpo_core.turns import SampleRequest
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -56,9 +57,8 @@ def test_vllm_in_the_engine_process_samples_the_snapshots_weights(checkpoint):
     executor = Local()
 
     def sample(pid):
-        return executor.sample(executor.held_policy(pid), ids, params, engine="vllm",
-                               engine_options=opts, load_options={}, check_sync=False,
-                               desc="test")  # fmt: skip
+        request = SampleRequest(params, engine="vllm", engine_options=opts, desc="test")
+        return executor.sample(executor.held_policy(pid), ids, request)
 
     try:
         executor.hold("p1", lambda: here, checkpoint)  # the first policy the child sees

