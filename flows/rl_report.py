@@ -14,6 +14,10 @@ from tasks.tracking import Tracking
 
 TABLE_ROWS = 20  # per-iteration rows in the artifact: every k-th iteration and the last
 PROBLEM_ROWS = 5  # held-out problems shown per list
+# the rewards whose answer extraction (their registration's ``extract_answer``) gives the
+# "model answer" of the tables, the first that finds one: the ``<answer>`` tag, else
+# ``\boxed{}``
+ANSWER_REWARDS = ("accuracy", "math_verify")
 
 
 @dataclass
@@ -53,18 +57,25 @@ class IterationGroup:
         self.tracking.end(self.run_id)
 
 
-def model_answer(completion) -> str | None:
-    """The answer a completion gives (``<answer>``, else ``\\boxed{}``), for the tables."""
-    from grpo_core.rewards.accuracy import extract_boxed, extract_tag
+def model_answer(completion, answer_rewards=ANSWER_REWARDS) -> str | None:
+    """The answer a completion gives, for the tables: the first non-empty one that the
+    registered answer extraction of a reward in ``answer_rewards`` reads (default: the
+    ``<answer>`` tag, else ``\\boxed{}``); rewards without one are passed over."""
+    from grpo_core import rewards
 
     text = completion if isinstance(completion, str) else str(completion)
-    return extract_tag(text) or extract_boxed(text)
+    for name in answer_rewards:
+        extract = rewards.spec(name).extract_answer
+        found = extract(text) if extract is not None else None
+        if found:
+            return found
+    return None
 
 
-def rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
+def rollout_sample(scored_path: str, n: int = 16, answer_rewards=ANSWER_REWARDS) -> list[dict]:
     """Scored completions for the MLflow UI: the best and the worst of groups spread over
     the file (not its first groups); reward, advantage, the expected and the given answer
-    first, then the texts, then the rest."""
+    (:func:`model_answer` by ``answer_rewards``) first, then the texts, then the rest."""
     import pyarrow.parquet as pq
 
     names = pq.ParquetFile(scored_path).schema_arrow.names
@@ -85,7 +96,7 @@ def rollout_sample(scored_path: str, n: int = 16) -> list[dict]:
         group = sorted(groups[key], key=lambda r: -(r.get("reward") or 0.0))
         for r in group[:1] + group[1:][-1:]:  # the best, and the worst when there are two
             shown = {k: r.get(k) for k in ("reward", "advantage", "answer")}
-            shown["model_answer"] = model_answer(r.get("completion", ""))
+            shown["model_answer"] = model_answer(r.get("completion", ""), answer_rewards)
             shown["completion"] = r.get("completion")
             shown["prompt"] = r.get("prompt_text")
             shown.update({k: r[k] for k in rest if k in r})
@@ -103,11 +114,13 @@ def _pct(v) -> str:
 
 @dataclass
 class StageReport:
-    """An RL stage's story as it runs, published as its Prefect artifact when it ends."""
+    """An RL stage's story as it runs, published as its Prefect artifact when it ends
+    (``answer_rewards``: whose extraction gives the problems' model answer)."""
 
     stage: str
     rows: list[dict] = field(default_factory=list)
     evals: list[tuple[int, float, str | None]] = field(default_factory=list)
+    answer_rewards: tuple[str, ...] = ANSWER_REWARDS
 
     def iteration(self, it: int, point: dict, cached: bool) -> None:
         self.rows.append(
@@ -165,8 +178,8 @@ class StageReport:
         tables = [t for _, _, t in self.evals if t]
         if not tables:
             return []
-        before = _by_problem(tables[0]) if len(tables) > 1 else {}
-        after = _by_problem(tables[-1])
+        before = _by_problem(tables[0], self.answer_rewards) if len(tables) > 1 else {}
+        after = _by_problem(tables[-1], self.answer_rewards)
         solved = [p for p, r in after.items() if p in before and r["score"] > before[p]["score"]]
         lost = [p for p, r in after.items() if p in before and r["score"] < before[p]["score"]]
         failing = [  # at the last eval and, when there is one, at the first
@@ -202,7 +215,7 @@ class StageReport:
         )
 
 
-def _by_problem(table: str) -> dict[str, dict]:
+def _by_problem(table: str, answer_rewards=ANSWER_REWARDS) -> dict[str, dict]:
     """An eval table's rows by prompt: the mean score of its samples, and one completion."""
     import pyarrow.parquet as pq
 
@@ -214,7 +227,7 @@ def _by_problem(table: str) -> dict[str, dict]:
                 "scores": [],
                 "answer": row.get("answer"),
                 "completion": row.get("completion"),
-                "model_answer": model_answer(row.get("completion", "")),
+                "model_answer": model_answer(row.get("completion", ""), answer_rewards),
             },
         )
         p["scores"].append(float(row.get("correct") or 0.0))

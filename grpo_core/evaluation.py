@@ -13,11 +13,11 @@ pass@1. With ``num_samples=k > 1`` each prompt gets k samples at ``temperature``
 - ``pass_at_k``: the unbiased estimator of Chen et al. 2021 (arXiv:2107.03374),
   ``1 - C(n-c, k) / C(n, k)`` per problem with n=k samples of which c are correct, averaged;
 - ``maj_at_k``: the share of problems where the most frequent extracted answer (ties: the
-  answer seen first) is correct. Answers come from the accuracy reward's own extraction
-  (``accuracy``: the last ``<answer>`` tag; ``math_verify``: the last ``\\boxed{}``, else the
-  tag; numbers compare as numbers). Code has no answer to vote on (two programs that pass
-  different tests are not "the same answer"), so for ``code_tests`` and any reward without an
-  extraction it is ``None``.
+  answer seen first) is correct. Answers come from the accuracy reward's own extraction,
+  declared where it is registered (``extract_answer``; ``accuracy``: the last ``<answer>``
+  tag; ``math_verify``: the last ``\\boxed{}``, else the tag; numbers compare as numbers).
+  Code has no answer to vote on (two programs that pass different tests are not "the same
+  answer"), so for ``code_tests`` and any reward without an extraction it is ``None``.
 
 The same rows, decoding and reward functions are used for every stage's checkpoint, so the
 numbers are comparable across the pipeline.
@@ -26,7 +26,6 @@ numbers are comparable across the pipeline.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from math import comb
 
@@ -71,26 +70,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - comb(n - c, k) / comb(n, k)
-
-
-def _answer_tag(text: str) -> str | None:
-    from grpo_core.rewards.accuracy import extract_tag
-
-    return extract_tag(text)
-
-
-def _boxed_or_tag(text: str) -> str | None:
-    from grpo_core.rewards.accuracy import extract_boxed, extract_tag
-
-    found = extract_boxed(text)
-    return found if found is not None else extract_tag(text)
-
-
-# accuracy reward -> the answer it reads from a completion (maj@k votes on these)
-ANSWER_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
-    "accuracy": _answer_tag,
-    "math_verify": _boxed_or_tag,
-}
 
 
 def vote_key(answer: str) -> str:
@@ -168,7 +147,7 @@ def _add_k_sample_metrics(
     k, n_problems = result.num_samples, result.num_examples
     per_problem = [correct[i * k : (i + 1) * k] for i in range(n_problems)]
     result.pass_at_k = sum(pass_at_k(k, int(sum(p)), k) for p in per_problem) / n_problems
-    extract = ANSWER_EXTRACTORS.get(accuracy_reward)
+    extract = rewards.spec(accuracy_reward).extract_answer  # its registration's, if any
     if extract is not None:
         votes = [
             majority_correct(

@@ -10,9 +10,6 @@ import math
 from flows.preflight._util import first_line
 from grpo_core.errors import UserError
 
-# columns that built-in rewards read from the data (they fail on every row without them)
-REWARD_COLUMNS = {"accuracy": ("answer",), "math_verify": ("answer",)}
-
 
 def load_reward(name: str, field: str):
     """The reward function ``name`` (registered, or a ``module:function`` spec), imported
@@ -62,11 +59,12 @@ def check_rewards(weights: dict[str, float], *, overlong: bool = False) -> None:
 
 
 def check_sandbox(names, cfg) -> None:
-    """Rewards that run model-written code need a sandbox this machine can provide
-    (``sandbox.isolation``); probed now (it runs a tiny program) instead of at scoring."""
-    from grpo_core.rewards.code import EXECUTING
+    """Rewards that run model-written code (registered with ``executes``) need a sandbox
+    this machine can provide (``sandbox.isolation``); probed now (it runs a tiny program)
+    instead of at scoring."""
+    from grpo_core import rewards
 
-    if not any(n in EXECUTING for n in names):
+    if not rewards.executing(names):
         return
     from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
 
@@ -87,9 +85,12 @@ def check_reward_names(cfg) -> None:
 
 
 def check_reward_columns(rows: list[dict], path, field: str, names, setting: str) -> None:
-    """Every row has the columns the built-in rewards in ``names`` read."""
+    """Every row has the columns the registered rewards in ``names`` read (their
+    registration's ``columns``)."""
+    from grpo_core import rewards
+
     for name in names:
-        for col in REWARD_COLUMNS.get(name, ()):
+        for col in rewards.spec(name).columns:
             row = next((i for i, r in enumerate(rows) if col not in r), None)
             if row is not None:
                 where = f"{path}, row {row}" if len(rows) > 1 else str(path)

@@ -8,8 +8,9 @@
 
 Built-in names: ``accuracy``, ``math_verify``, ``format``, ``tag_count``,
 ``language_consistency``, ``soft_overlong``, ``cosine``, ``repetition``, ``code_tests``,
-``code_compiles``, ``code_runs``, ``code_ruff_clean``, ``test_has_assert``.
-See docs/rewards.md.
+``code_compiles``, ``code_runs``, ``code_ruff_clean``, ``test_has_assert``. Each is
+registered once with what else the pipeline needs to know of it (``spec(name)``: the data
+columns it reads, its answer extraction, whether it runs the program). See docs/rewards.md.
 """
 
 from grpo_core.rewards import accuracy as _accuracy  # noqa: F401  (registers)
@@ -19,13 +20,16 @@ from grpo_core.rewards import length as _length  # noqa: F401
 from grpo_core.rewards.base import (
     REWARDS,
     RewardFn,
+    RewardSpec,
     RewardUnavailable,
     Scores,
     completion_text,
+    executing,
     get,
     load_user_function,
     names,
     register,
+    spec,
 )
 from grpo_core.rewards.code import (
     extract_program,
@@ -47,6 +51,7 @@ from grpo_core.rewards.scoring import ScoreResult, score_completions
 __all__ = [
     "REWARDS",
     "RewardFn",
+    "RewardSpec",
     "RewardUnavailable",
     "SandboxUnavailable",
     "ScoreResult",
@@ -56,6 +61,7 @@ __all__ = [
     "completion_text",
     "cosine_scaled",
     "detect_isolation",
+    "executing",
     "extract_program",
     "isolation_label",
     "repetition_penalty",
@@ -69,4 +75,5 @@ __all__ = [
     "names",
     "register",
     "score_completions",
+    "spec",
 ]

@@ -148,7 +148,13 @@ def _score(pred: str | None, gold: Any, *, gold_required_parse: bool) -> float |
     return 1.0 if answers_match(pred, g) else 0.0
 
 
-@register("accuracy")
+def boxed_or_tag(text: str) -> str | None:
+    """``math_verify``'s answer: the last ``\\boxed{}``, else the last ``<answer>`` tag."""
+    found = extract_boxed(text)
+    return found if found is not None else extract_tag(text)
+
+
+@register("accuracy", columns=("answer",), extract_answer=extract_tag)
 def accuracy(
     prompts: list, completions: list, answer: list | None = None, **_: Any
 ) -> list[float | None]:
@@ -162,7 +168,7 @@ def accuracy(
     ]
 
 
-@register("math_verify")
+@register("math_verify", columns=("answer",), extract_answer=boxed_or_tag)
 def math_verify_reward(
     prompts: list, completions: list, answer: list | None = None, **_: Any
 ) -> list[float | None]:
@@ -171,11 +177,7 @@ def math_verify_reward(
     number nor (with math-verify installed) as LaTeX/math."""
     if answer is None:
         raise ValueError("reward 'math_verify' needs an 'answer' column")
-    out: list[float | None] = []
-    for c, gold in zip(completions, answer, strict=True):
-        text = completion_text(c)
-        pred = extract_boxed(text)
-        if pred is None:
-            pred = extract_tag(text)
-        out.append(_score(pred, gold, gold_required_parse=True))
-    return out
+    return [
+        _score(boxed_or_tag(completion_text(c)), gold, gold_required_parse=True)
+        for c, gold in zip(completions, answer, strict=True)
+    ]

@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,28 @@ from grpo_core.registry import Registry
 
 RewardFn = Callable[..., list[float | None]]
 
-REWARDS: Registry[RewardFn] = Registry("reward function")
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """What the pipeline knows about a registered reward besides its function, declared
+    where it is registered (``register(name, columns=..., ...)``):
+
+    - ``columns``: data columns it reads and fails on every row without (preflight checks
+      the data has them);
+    - ``extract_answer``: ``text -> answer | None``, the answer it reads from a completion,
+      for an accuracy-like reward (evaluation's maj@k votes on it, the RL report shows it);
+    - ``executes``: it runs the model-written program, so it needs the code sandbox
+      (preflight probes it; scoring binds its ``sandbox_<option>`` keywords, the
+      isolation first: ``code.sandboxed``).
+
+    A ``module:function`` reward is not registered and has the defaults."""
+
+    columns: tuple[str, ...] = ()
+    extract_answer: Callable[[str], str | None] | None = None
+    executes: bool = False
+
+
+REWARDS: Registry[RewardFn] = Registry("reward function", spec=RewardSpec)
 
 
 class Scores(list):
@@ -46,9 +68,31 @@ class RewardUnavailable(RuntimeError):
     recording it as a per-row error, so the batch stops with the message."""
 
 
-def register(name: str, *, replace: bool = False) -> Callable[[RewardFn], RewardFn]:
-    """Decorator registering a reward function under ``name`` (a taken name raises)."""
-    return REWARDS.register(name, replace=replace)
+def register(
+    name: str,
+    *,
+    replace: bool = False,
+    columns: tuple[str, ...] = (),
+    extract_answer: Callable[[str], str | None] | None = None,
+    executes: bool = False,
+) -> Callable[[RewardFn], RewardFn]:
+    """Decorator registering a reward function under ``name`` (a taken name raises), with
+    its declaration (:class:`RewardSpec`: data columns, answer extraction, executes code)."""
+    return REWARDS.register(
+        name, replace=replace, columns=tuple(columns), extract_answer=extract_answer,
+        executes=executes,
+    )  # fmt: skip
+
+
+def spec(name: str) -> RewardSpec:
+    """The declaration of reward ``name``; the defaults (no columns, no answer extraction,
+    runs no code) for a ``module:function`` reward or any name not registered."""
+    return REWARDS.spec(name) if name in REWARDS else RewardSpec()
+
+
+def executing(names) -> list[str]:
+    """The rewards among ``names`` that run the model-written program (``executes``)."""
+    return [n for n in names if spec(n).executes]
 
 
 def get(name: str) -> RewardFn:

@@ -28,11 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from grpo_core.rewards.base import REWARDS, Scores, completion_text, register
+from grpo_core.rewards.base import REWARDS, Scores, completion_text, executing, register
 from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation, requested_isolation
 from grpo_core.rewards.sandbox import Limits, RunResult, run_program
-
-EXECUTING = ("code_tests", "code_runs")  # the built-in rewards that run the program
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
@@ -164,12 +162,13 @@ def _sandbox_reward(
 
 
 def sandboxed(names, isolation: str | None = None, **options: Any) -> dict[str, Callable]:
-    """The executing rewards among ``names`` (``code_tests``, ``code_runs``), bound to
-    ``isolation`` and the other ``sandbox_<option>`` keywords (``limits=``, ``workers=``,
-    ``progress=``): pass them as ``score_completions(functions=...)``. The isolation is
+    """The executing rewards among ``names`` (registered with ``executes``: ``code_tests``,
+    ``code_runs``), bound to ``isolation`` and the other ``sandbox_<option>`` keywords
+    (``limits=``, ``workers=``, ``progress=``): pass them as
+    ``score_completions(functions=...)``. The isolation is
     resolved here, so a machine that cannot isolate fails before scoring starts (raises
     :class:`SandboxUnavailable`); ``{}`` when no executing reward is named."""
-    wanted = [n for n in names if n in EXECUTING]
+    wanted = executing(names)
     if not wanted:
         return {}
     detect_isolation(isolation)
@@ -184,7 +183,7 @@ def sandboxed(names, isolation: str | None = None, **options: Any) -> dict[str, 
 def isolation_label(names, isolation: str | None = None) -> str | None:
     """``"<mode> (...; requested <name>)"`` of the sandbox that executing rewards among
     ``names`` run in (for logs and metadata), None when none of them executes code."""
-    if not any(n in EXECUTING for n in names):
+    if not executing(names):
         return None
     return detect_isolation(isolation).describe()
 
@@ -200,7 +199,7 @@ def sandbox_params(names, isolation: str | None = None) -> dict[str, str]:
     }
 
 
-@register("code_tests")
+@register("code_tests", executes=True)
 def code_tests(prompts: list, completions: list, **columns: Any) -> list[float | None]:
     """Fraction of the row's asserts the program passes (asserts not reached because of a
     timeout, crash or early exit count as failed), ``None`` for rows without tests."""
@@ -215,7 +214,7 @@ def _ran(res: RunResult) -> float:
     return float(res.status == "ok" and res.program_ok)
 
 
-@register("code_runs")
+@register("code_runs", executes=True)
 def code_runs(prompts: list, completions: list, **columns: Any) -> list[float | None]:
     """1.0 if the program runs to completion in the sandbox without raising, else 0.0."""
     return _sandbox_reward(completions, columns, _ran, need_tests=False)
