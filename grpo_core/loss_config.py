@@ -1,13 +1,54 @@
-"""Typed settings of the GRPO loss and update, built once from the RL config section.
+"""Typed settings of the GRPO loss and update, built once from the RL config section, and
+the registrations of the loss's parts.
 
 Plain frozen dataclasses with TRL's names, without torch, so building them costs nothing:
 ``RLConfig.update_config()`` makes one, ``grpo_core.update.grpo_update`` and
 ``grpo_core.losses.policy_loss`` read it. A notebook user may build them by hand.
+
+The per-token objectives (``objective``) and the aggregations (``loss_type``) are registered
+here by name, each once, with its function in ``grpo_core.losses`` as ``"module:function"``
+(imported when the loss first runs) and its :class:`LossSpec`: the config checks names
+against these registries without loading torch. Register your own with
+``POLICY_OBJECTIVES.register("name", zero_advantage_is_zero_loss=...)(fn)``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from grpo_core.registry import Registry
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the update needs to know about a registered objective or aggregation.
+
+    ``zero_advantage_is_zero_loss``: a row whose advantage is 0 contributes exactly 0 to
+    the loss and its gradient (with ``beta`` 0 and no entropy quantile), so the update may
+    skip its forward and backward (``skip_zero_advantage``). False for a term that does not
+    vanish with the advantage (an entropy bonus): then no row is skipped."""
+
+    zero_advantage_is_zero_loss: bool = True
+
+
+POLICY_OBJECTIVES: Registry = Registry("policy objective", spec=LossSpec)
+LOSS_AGGREGATIONS: Registry = Registry("loss_type", spec=LossSpec)
+
+POLICY_OBJECTIVES.add("clip", "grpo_core.losses:clipped_objective")
+POLICY_OBJECTIVES.add("cispo", "grpo_core.losses:cispo_objective")
+LOSS_AGGREGATIONS.add("grpo", "grpo_core.losses:agg_grpo")
+LOSS_AGGREGATIONS.add("bnpo", "grpo_core.losses:agg_bnpo")
+LOSS_AGGREGATIONS.add("dapo", "grpo_core.losses:agg_dapo")
+LOSS_AGGREGATIONS.add("dr_grpo", "grpo_core.losses:agg_dr_grpo")
+
+
+def zero_advantage_is_zero_loss(loss: LossConfig) -> bool:
+    """Whether ``loss``'s objective and aggregation both declare that a zero-advantage row
+    has a zero policy loss (their registrations' :class:`LossSpec`)."""
+    return (
+        POLICY_OBJECTIVES.spec(loss.objective).zero_advantage_is_zero_loss
+        and LOSS_AGGREGATIONS.spec(loss.loss_type).zero_advantage_is_zero_loss
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

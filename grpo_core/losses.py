@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.kl import kl_divergence
-from grpo_core.loss_config import LossConfig
+from grpo_core.loss_config import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, LossConfig
 from grpo_core.registry import Registry
 
 
@@ -54,14 +54,15 @@ class ClipBounds(NamedTuple):
     delta: float | None = None  # TRL's two-sided clip: the unclipped ratio's cap
 
 
+# An objective: (log_ratio, advantages, logp, bounds) -> ObjectiveOut; an aggregation:
+# (per_token, mask, *, num_items_in_batch, max_completion_length) -> scalar. Both are
+# registered by name in grpo_core/loss_config.py (POLICY_OBJECTIVES, LOSS_AGGREGATIONS,
+# re-exported here), with what the update needs to know of them (LossSpec).
 ObjectiveFn = Callable[[Tensor, Tensor, Tensor, ClipBounds], ObjectiveOut]
 AggregationFn = Callable[..., Tensor]
-POLICY_OBJECTIVES: Registry[ObjectiveFn] = Registry("policy objective")
-LOSS_AGGREGATIONS: Registry[AggregationFn] = Registry("loss_type")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
-@POLICY_OBJECTIVES.register("clip")
 def clipped_objective(
     log_ratio: Tensor, advantages: Tensor, logp: Tensor, bounds: ClipBounds
 ) -> ObjectiveOut:
@@ -86,7 +87,6 @@ def clipped_objective(
     return ObjectiveOut(loss, low, high)
 
 
-@POLICY_OBJECTIVES.register("cispo")
 def cispo_objective(
     log_ratio: Tensor, advantages: Tensor, logp: Tensor, bounds: ClipBounds
 ) -> ObjectiveOut:
@@ -99,7 +99,6 @@ def cispo_objective(
     return ObjectiveOut(-weight * advantages * logp, torch.zeros_like(high), high)
 
 
-@LOSS_AGGREGATIONS.register("grpo")
 def agg_grpo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
     """GRPO paper: token mean per sequence, then mean over sequences (``num_items`` = sequences)."""
     seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # [B]
@@ -107,20 +106,17 @@ def agg_grpo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -
     return seq.sum() / n
 
 
-@LOSS_AGGREGATIONS.register("bnpo")
 def agg_bnpo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
     """BNPO / TRL ``bnpo``: sum over the batch's tokens / number of tokens of the batch."""
     n = mask.sum().clamp(min=1.0) if num_items_in_batch is None else num_items_in_batch
     return (per_token * mask).sum() / n
 
 
-@LOSS_AGGREGATIONS.register("dapo")
 def agg_dapo(per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, **_) -> Tensor:
     """DAPO token-level loss: sum over all tokens / tokens of the whole (accumulated) batch."""
     return agg_bnpo(per_token, mask, num_items_in_batch=num_items_in_batch)
 
 
-@LOSS_AGGREGATIONS.register("dr_grpo")
 def agg_dr_grpo(
     per_token: Tensor, mask: Tensor, *, num_items_in_batch=None, max_completion_length=None, **_
 ) -> Tensor:

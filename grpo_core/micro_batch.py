@@ -14,7 +14,7 @@ from torch import Tensor
 
 from grpo_core.batch import UpdateBatch
 from grpo_core.batch_logprobs import completion_logprobs
-from grpo_core.loss_config import UpdateConfig
+from grpo_core.loss_config import UpdateConfig, zero_advantage_is_zero_loss
 from grpo_core.losses import policy_loss
 from grpo_core.precision import Precision
 from grpo_core.sampling_filters import top_entropy_mask
@@ -42,8 +42,15 @@ class RowTensors:
 
 def skips_zero_loss_rows(cfg: UpdateConfig) -> bool:
     """Whether rows with a zero advantage (or no token that counts) have a zero loss under
-    ``cfg`` and ``skip_zero_advantage`` leaves them out (``grpo_core.update``'s docstring)."""
-    return cfg.skip_zero_advantage and cfg.loss.beta == 0 and cfg.top_entropy_quantile == 1.0
+    ``cfg`` and ``skip_zero_advantage`` leaves them out (``grpo_core.update``'s docstring):
+    no KL term, no entropy quantile, and an objective and aggregation registered as zero at
+    a zero advantage (``LossSpec.zero_advantage_is_zero_loss``; an entropy bonus is not)."""
+    return (
+        cfg.skip_zero_advantage
+        and cfg.loss.beta == 0
+        and cfg.top_entropy_quantile == 1.0
+        and zero_advantage_is_zero_loss(cfg.loss)
+    )
 
 
 def live_rows(batch: UpdateBatch) -> Tensor:

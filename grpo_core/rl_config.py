@@ -5,13 +5,36 @@ settings each concern reads, built from it once (``sampling``, ``optimization``,
 from __future__ import annotations
 
 import warnings
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
+from grpo_core.loss_config import (
+    LOSS_AGGREGATIONS,
+    POLICY_OBJECTIVES,
+    EngineCorrection,
+    LossConfig,
+    UpdateConfig,
+)
+from grpo_core.registry import Registry
 from grpo_core.section import TrainingKnobs
 from grpo_core.settings import Optimization, Sampling, Scoring, same_named
+
+
+def registered(registry: Registry) -> Any:
+    """A name that must be registered in ``registry`` when the config is validated (so
+    names registered by the user's code count): an unknown one fails with the registry's
+    message, which lists the valid names. The JSON schema lists the names registered when
+    it is made."""
+
+    def enum(schema: dict) -> None:
+        schema["enum"] = registry.names()
+
+    return Annotated[str, AfterValidator(registry.check), Field(json_schema_extra=enum)]
+
+
+LossTypeName = registered(LOSS_AGGREGATIONS)
+ObjectiveName = registered(POLICY_OBJECTIVES)
 
 
 def _warn(message: str) -> None:
@@ -43,13 +66,17 @@ class RLConfig(TrainingKnobs):
     beta: float = Field(0.0, ge=0)
     epsilon: float = Field(0.2, gt=0)
     epsilon_high: float | None = None
-    loss_type: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dapo"
+    loss_type: LossTypeName = Field(
+        "dapo", description="how the per-token loss is averaged (grpo_core/losses.py)"
+    )
     scale_rewards: Literal["group", "batch", "none"] = "group"
     advantage_estimator: str = "grpo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     use_bias_correction_kl: bool = False
-    objective: Literal["clip", "cispo"] = "clip"
+    objective: ObjectiveName = Field(
+        "clip", description="the per-token policy objective (grpo_core/losses.py)"
+    )
     delta: float | None = Field(
         None, gt=1, description="two-sided clip: cap of the unclipped ratio"
     )
