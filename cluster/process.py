@@ -14,7 +14,7 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 - ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policy_cache.py loads
   with it, and the stage cache keys name what of it changes results);
 - ``trained_policy``: where this process's policies in memory are found by ``policy_id``
-  (tasks/policy_cache.py registers it), for a trainer rank sending its weights to the
+  (the run context and the trainer ranks pass ``tasks/policy_cache.py: holding``), for a trainer rank sending its weights to the
   rollout replicas (cluster/weight_bus.py).
 
 What else a process keeps are caches and records of what it has open, each beside the code
@@ -58,19 +58,26 @@ def set_up(
     store_url: str | None,
     local: Any,
     store_options: dict | None = None,
+    trained_policy: Callable[[str], Any] | None = None,
 ) -> ProcessState:
     """Set this process up for one config: its cluster setting, its shared store (None: no
-    ``storage.url``) and how it loads policies."""
+    ``storage.url``), how it loads policies and where its trained policies are found."""
     from cluster import runtime, storage
 
     storage.configure(store_url, local, store_options)
     runtime.configure(cluster)
-    load_policies_with(model)
+    load_policies_with(model, trained_policy)
     return STATE
 
 
-def load_policies_with(model: ModelConfig) -> None:
+def load_policies_with(
+    model: ModelConfig, trained_policy: Callable[[str], Any] | None = None
+) -> None:
     """How this process loads policies from now on: the run context's ``model`` section, or
     the one a trainer rank is handed (cluster/trainer_group.py runs ranks in other
-    processes). Models already in memory that were loaded otherwise are not reused."""
+    processes). Models already in memory that were loaded otherwise are not reused.
+    ``trained_policy(policy_id)``: the model in memory holding those weights, or None
+    (``tasks/policy_cache.py: holding``; kept when not given)."""
     STATE.model = model
+    if trained_policy is not None:
+        STATE.trained_policy = trained_policy

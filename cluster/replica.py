@@ -103,7 +103,7 @@ class Replica:
             return self._take_adapter(checkpoint, policy_id)
         self.engine.wake_up(tags=["weights"])
         if self.engine_name == "hf":
-            from grpo_core.trainer_state import load_weights_
+            from grpo_core.train_state import load_weights_
 
             load_weights_(self.engine.model, checkpoint)  # in place, the model's own dtype
         else:

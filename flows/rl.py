@@ -42,6 +42,7 @@ from tasks.rollout import is_cached, rollout
 from tasks.run_log import logger
 from tasks.score import score
 from tasks.tracking import Tracking
+from tasks.update import policy as load_policy
 from tasks.update import update
 from tasks.workspace import Workspace
 
@@ -193,7 +194,7 @@ class _Iterations:
             self.submit,
             cached=lambda it, policy: not self.force and is_cached(*self._args(it, policy)),
             executor=executor,
-            load=policy_cache.get,
+            load=load_policy,
             source=self.init_checkpoint,
         )
         overlap.policy_known(0, self.init_checkpoint, policy_cache.policy_id(self.init_checkpoint))
@@ -233,7 +234,7 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
     path."""
     kept = policy_ref.saved_at(policy)
     if kept is None:  # pruned, or lost with its background write: the weights are in memory
-        w = policy_cache.get(policy)
+        w = load_policy(policy)
         with atomic_path(final) as tmp:
             save_checkpoint(w.model, w.tokenizer, tmp, expected_id=w.policy_id)
         storage.publish(final)

@@ -34,6 +34,7 @@ class RunContext:
     @classmethod
     def open(cls, cfg: PipelineConfig) -> RunContext:
         from cluster import process
+        from tasks import policy_cache
 
         ws = Workspace.create(cfg.output_dir, cfg.run_name)
         url = cfg.storage.url and f"{cfg.storage.url.rstrip('/')}/{cfg.run_name}"
@@ -43,6 +44,7 @@ class RunContext:
             store_url=url,
             local=ws.root,
             store_options=cfg.storage.options,
+            trained_policy=policy_cache.holding,
         )
         if "sandbox" in cfg.model_fields_set:
             from grpo_core.rewards.isolation import ISOLATION_ENV

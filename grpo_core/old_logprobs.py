@@ -133,7 +133,7 @@ def engine_correction_choice(
     TRL turns the correction on by default with vLLM), a sampling model not in float32, a
     trained model not in float32, bf16/fp16 autocast in the update, 4-bit weights (rows
     sampled by an older policy get the behaviour weight instead, ``rl.behaviour_weight``:
-    ``grpo_core.rl_trainer.behaviour_weight_for``). It stays
+    ``grpo_core.iteration.behaviour_weight_for``). It stays
     off where the ratio would mean nothing: the ``hf`` engine in float32 samples with the
     trainer's own module; a processed sampling distribution (``top_p``, ``top_k``, ``min_p``,
     ``repetition_penalty``) makes every ratio < 1; ``rl.old_logprobs=sampler`` makes it 1.

@@ -61,3 +61,26 @@ def build_optimizer(
             ) from e
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
     raise ValueError(f"{section}.optim must be one of {OPTIMIZERS}, got {name!r}")
+
+
+def build_optimization(
+    model,
+    optim: str,
+    *,
+    learning_rate: float,
+    weight_decay: float,
+    warmup_steps: int,
+    total_steps: int,
+    lr_scheduler_type: str = "constant",
+    section: str = "rl",
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """A fresh optimizer over ``model``'s trainable parameters and its schedule at step 0
+    (warmup, then ``lr_scheduler_type`` over ``total_steps``); ``section`` names the config
+    section in errors."""
+    from grpo_core.schedule import lr_lambda
+
+    opt = build_optimizer(
+        model, optim, lr=learning_rate, weight_decay=weight_decay, section=section
+    )
+    schedule = lr_lambda(warmup_steps, total_steps, lr_scheduler_type)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)

@@ -294,7 +294,7 @@ class RLConfig(TrainingKnobs):
             self,
             loss=same_named(LossConfig, self),
             engine_correction=engine,
-            behaviour_weight=None,  # per scored file: rows of an older policy (rl_trainer)
+            behaviour_weight=None,  # per scored file: rows of an older policy (grpo_core/iteration.py)
             old_logprobs="recompute",  # the update task picks the source (rl.old_logprobs)
         )
 

@@ -72,7 +72,7 @@ class Optimization:
     def build(self, model, *, total_steps: int, section: str):
         """A fresh ``(optimizer, scheduler)`` at step 0 over ``total_steps``
         (:func:`grpo_core.trainer.build_optimization`)."""
-        from grpo_core.trainer import build_optimization  # torch: only when training
+        from grpo_core.optim import build_optimization  # torch: only when training
 
         return build_optimization(
             model,

@@ -27,7 +27,7 @@ from grpo_core.parallel import LOCAL, LocalParallel
 from grpo_core.precision import Precision
 from grpo_core.settings import SFTSettings, settings_or_knobs
 from grpo_core.text import encode_completion, encode_prompt
-from grpo_core.trainer_state import load_weights_, rng_state, set_rng_state
+from grpo_core.train_state import TrainState, load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +221,7 @@ class _Run:
     """An SFT run between two steps: what a resume checkpoint saves, besides the weights."""
 
     settings: SFTSettings
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train: TrainState  # optimizer, schedule, loss scaler, step (grpo_core/train_state.py)
     precision: Precision
     data_rng: random.Random  # shuffles the data order, epoch by epoch
     parallel: LocalParallel  # one process, or this rank of N
@@ -230,7 +229,22 @@ class _Run:
     history: list[dict] = field(default_factory=list)  # per-step metrics
     dev_history: list[dict] = field(default_factory=list)
     loss: float = float("nan")
-    step: int = 0
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.train.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self.train.scheduler
+
+    @property
+    def step(self) -> int:
+        return self.train.global_step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.train.global_step = value
 
     @classmethod
     def start(cls, model, s: SFTSettings, seed: int, parallel: LocalParallel = LOCAL) -> _Run:
@@ -239,7 +253,8 @@ class _Run:
         torch.manual_seed(seed)
         precision = Precision.for_model(model, bf16=s.bf16, fp16=s.fp16, section="sft")
         opt, sched = s.optimization.build(model, total_steps=s.max_steps, section="sft")
-        return cls(s, opt, sched, precision, data_rng, parallel)
+        train = TrainState({"stage": "sft"}, opt, sched, 0, {}, precision.scaler, model)
+        return cls(s, train, precision, data_rng, parallel)
 
     def resume(self, model, resume_dir: Path, state: dict) -> None:
         """Continue from a resume checkpoint: its weights, optimizer, data order and RNGs."""

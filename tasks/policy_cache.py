@@ -1,15 +1,13 @@
-"""The warm policy: the model stays in the worker process between rollout, score and
+"""The policy memo: the model stays in the worker process between rollout, score and
 update tasks. A task asking for a checkpoint gets the in-memory model when its weights are
-that checkpoint (same ``policy_id``); otherwise it is loaded from disk.
+that checkpoint (same ``policy_id``); otherwise it is loaded from disk. For an RL
+iteration's record (tasks/policy_ref.py) whose weights are neither in memory nor kept, the
+memo says so (:class:`NotInMemory`); replaying the update is the update task's decision
+(``tasks/update.py: policy``). The memo trains nothing.
 
-The training state of an RL stage (AdamW, LR schedule, RNG states:
-``grpo_core.trainer.TrainState``)
-travels with the warm model between iterations, keyed by the stage's identity (stage name,
-its init checkpoint's weights, the optimizer and schedule settings). It is exactly what the
-update saved as the checkpoint's ``trainer_state.pt``, so a stage resumed from disk after a
-crash continues as the uninterrupted process does: :func:`train_state` reuses the in-memory
-state only when it is the one saved at that checkpoint and step, loads it from disk
-otherwise, and starts fresh at a stage's first step.
+The RL update keeps its train state (``grpo_core.train_state.TrainState``: AdamW, LR
+schedule, RNG states) beside the warm model (``CachedPolicy.train``) between iterations;
+``tasks/update.py`` decides whether it continues the stage (``TrainState.resume``).
 
 How a policy is loaded (``model.dtype``, ``attn_implementation``, ``gradient_checkpointing``,
 ``lora``, ``load_in_4bit``) is the process's setup (cluster/process.py: ``STATE.model``, set
@@ -37,12 +35,11 @@ from grpo_core.checkpoint_writer import CheckpointWriter
 from grpo_core.config import ModelConfig
 from grpo_core.errors import UserError
 from tasks import policy_ref
-from tasks.run_log import logger
 
 if TYPE_CHECKING:  # torch loads with the first model: a cached rerun never needs it
     import torch
 
-    from grpo_core.trainer import TrainState
+    from grpo_core.train_state import TrainState
 
 log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
@@ -64,7 +61,7 @@ class CachedPolicy:
 
 
 _WARM: dict[str, CachedPolicy] = {}  # slot ("policy", "reference") -> warm model
-STATS = {"loads": 0, "hits": 0, "replays": 0}
+STATS = {"loads": 0, "hits": 0, "replays": 0}  # replays: counted by tasks/update.py
 # the kept checkpoints of RL updates, written in the background (grpo_core/checkpoint_writer.py)
 WRITER = CheckpointWriter()
 # a checkpoint folder's or an RL iteration record's policy_id (tasks/policy_ref.py)
@@ -241,10 +238,21 @@ def _warm_hit(
     return warm
 
 
+class NotInMemory(LookupError):
+    """The policy an RL iteration's record names is neither in memory nor kept on disk: only
+    replaying its update gives it back (the update task decides: ``tasks/update.py:
+    policy``)."""
+
+    def __init__(self, path: Path, ref) -> None:
+        why = "its background write did not finish" if ref.checkpoint else "not a save point"
+        super().__init__(f"{path}: policy {ref.policy_id} is not in memory and has no kept "
+                         f"checkpoint ({why})")  # fmt: skip
+        self.path, self.ref, self.why = path, ref, why
+
+
 def _get_ref(path: Path, slot: str, *, mutate: bool, lora_base) -> CachedPolicy:
     """The policy an RL iteration's record names (tasks/policy_ref.py): from memory, else
-    from its kept checkpoint, else by replaying its update from its parent (recursively, so
-    from the nearest kept state) and checking that the replay gives the recorded weights."""
+    from its kept checkpoint; else :class:`NotInMemory`."""
     ref = policy_ref.read_ref(path)
     with _LOCK:
         warm = _warm_hit(slot, path, ref.policy_id, mutate=mutate, lora_base=lora_base)
@@ -263,29 +271,7 @@ def _get_ref(path: Path, slot: str, *, mutate: bool, lora_base) -> CachedPolicy:
         return warm
     if slot != "policy":
         raise UserError(f"{path}: a policy record is not a {slot} model; give a checkpoint")
-    why = "its background write did not finish" if ref.checkpoint else "not a save point"
-    logger(__name__).info(
-        "%s: policy %s is not in memory and has no kept checkpoint (%s): replaying the "
-        "update of iteration %s from %s",
-        path.parent.name,
-        ref.policy_id,
-        why,
-        ref.update.get("iteration"),
-        ref.parent,
-    )
-    from tasks.update import replay  # the update task replays; it imports this module
-
-    got = replay(ref)
-    STATS["replays"] += 1
-    if got != ref.policy_id:
-        raise UserError(
-            f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
-            f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
-            "here (GPU kernels, data-parallel ranks) or its inputs changed. Keep the train "
-            "states such reruns start from (rl.save_steps: 1 and a larger "
-            "rl.save_total_limit), or rerun the stage with --force"
-        )
-    return get(path, slot, mutate=mutate, lora_base=lora_base)
+    raise NotInMemory(path, ref)
 
 
 def put(
@@ -297,21 +283,6 @@ def put(
         warm.checkpoint = Path(checkpoint)
         warm.policy_id = pid or policy_id(checkpoint)
         _WARM[slot] = warm
-
-
-def train_state(warm: CachedPolicy, **kwargs) -> TrainState:
-    """The train state to continue ``warm``'s stage with (grpo_core/trainer.py:
-    :func:`~grpo_core.trainer.continue_train_state`), kept with the warm model."""
-    from grpo_core import offload
-    from grpo_core.trainer import continue_train_state
-
-    live, warm.train = warm.train, None  # a failed build leaves no state of the wrong step
-    if live is not None:  # moved to CPU memory while a colocated engine generated
-        offload.restore(live.optimizer)
-    # where a saved state would be: the checkpoint, or the record's kept one
-    saved = policy_ref.saved_at(warm.checkpoint) or warm.checkpoint
-    warm.train = continue_train_state(warm.model, saved, live, **kwargs, logger=logger(__name__))
-    return warm.train
 
 
 def relabel(checkpoint: str | Path, slot: str = "policy") -> None:
@@ -326,12 +297,10 @@ def relabel(checkpoint: str | Path, slot: str = "policy") -> None:
 
 def holding(pid: str):
     """The model in memory whose weights are ``pid``, else None (a trainer rank sends it to
-    the rollout replicas: cluster/weight_bus.py)."""
+    the rollout replicas: cluster/weight_bus.py; the process setup names this function as
+    its ``trained_policy``)."""
     w = warm()
     return w.model if w is not None and w.policy_id == pid else None
-
-
-STATE.trained_policy = holding
 
 
 def clear() -> None:

@@ -6,7 +6,7 @@ tokenizer and its config: the replicas load the weights from the checkpoint the 
 group wrote (``cluster/rollout_workers.py``), so the driver never holds the model nor ships
 a second copy of it through Ray's object store. :func:`files` hands out that light handle;
 where the weights exist only in memory (this process holds them) or must be recomputed (a
-record whose kept state was pruned: ``tasks/policy_cache.py`` replays it), it returns the
+record whose kept state was pruned: ``tasks/update.py: policy`` replays it), it returns the
 warm policy instead, which has a ``model``.
 """
 
@@ -44,7 +44,9 @@ def files(checkpoint: str | Path):
         return warm
     weights = policy_ref.saved_at(checkpoint)  # the folder itself, or a record's kept one
     if weights is None or not (Path(weights) / "config.json").exists():
-        return policy_cache.get(checkpoint)  # in memory elsewhere only: replayed here
+        from tasks.update import policy
+
+        return policy(checkpoint)  # in memory elsewhere only: replayed here
     from transformers import AutoConfig
 
     weights = Path(weights)

@@ -27,6 +27,7 @@ from tasks import policy_cache
 from tasks.cache import cached, stage_key
 from tasks.results import RolloutResult
 from tasks.run_log import logger, timer
+from tasks.update import policy
 
 
 def cached_rows(path: str) -> list[dict]:
@@ -121,7 +122,7 @@ def policy_for(executor, checkpoint: str, request: SampleRequest):
         from tasks.policy_files import files
 
         return files(checkpoint)
-    return policy_cache.get(checkpoint)
+    return policy(checkpoint)
 
 
 def _metadata(policy_checkpoint, engine: dict, params, shards: int, dtype: str) -> dict:

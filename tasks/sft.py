@@ -124,7 +124,7 @@ def _save(w, out_checkpoint: str, info: dict, dp) -> None:
 def sft_on_rank(data_parallel, model_options, **kwargs) -> SFTOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`train_stage` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options)
+    process.load_policies_with(model_options, trained_policy=policy_cache.holding)
     return train_stage(**kwargs, data_parallel=data_parallel)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -16,6 +17,7 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import RLConfig
+from grpo_core.errors import UserError
 from tasks import policy_cache, policy_ref
 from tasks.cache import cached, stage_key
 from tasks.policy_ref import PolicyRef
@@ -68,13 +70,8 @@ def update_from_file(
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
     rank 0 alone writes the checkpoint.
     """
+    from grpo_core import iteration
     from grpo_core.parallel import LOCAL
-    from grpo_core.rl_trainer import (
-        behaviour_weight_for,
-        engine_correction_for,
-        old_logprobs_for,
-        train_on_scored,
-    )
     from grpo_core.scored_batch import ScoredRows
 
     pull(scored_path)
@@ -86,33 +83,28 @@ def update_from_file(
         reference_checkpoint if rl.beta > 0 else None,
         init if policy_cache.options().lora is not None else None,  # the LoRA adapter's base
     )
-    w = policy_cache.get(policy_checkpoint, mutate=True, lora_base=init)
+    w = policy(policy_checkpoint, mutate=True, lora_base=init)
     dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/parallel.py)
     if dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
-    quantized = policy_cache.options().load_in_4bit
-    rl, correction = engine_correction_for(
-        rows, rl, w.model, quantized=quantized, policy=w.policy_id
-    )
-    _say_once(f"engine importance-sampling correction {correction}")
-    source, why = old_logprobs_for(rows, rl, w.model, policy=w.policy_id, quantized=quantized)
-    logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, source, why)
     train = _train_state(w, rl, dp, stage=stage, init=init, global_step=global_step, seed=seed,
                          total_steps=total_steps)  # fmt: skip
     reference = functools.partial(policy_cache.reference, w, reference_checkpoint)
-    out = train_on_scored(
+    out = iteration.update(
         w.model,
         train,
         rows,
         rl,
-        old_logprobs=source,
+        policy_id=w.policy_id,
         pad_id=w.tokenizer.pad_token_id,
+        quantized=policy_cache.options().load_in_4bit,
         reference=reference if rl.beta > 0 else None,
         on_step=on_step,
         parallel=dp,
         logger=logger(__name__),
-        behaviour_weight=behaviour_weight_for(rows, rl, w.policy_id),
     )
+    _say_once(f"engine importance-sampling correction {out.engine_correction[1]}")
+    logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, *out.old_logprobs)
     info = {"scored": scored_path, "global_step": out.global_step}
     on_ranks = data_parallel is not None
     pid = _save(w, train, out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
@@ -137,8 +129,10 @@ def _train_state(
     w, rl: RLConfig, dp, *, stage: str, init: str, global_step: int, total_steps, seed: int
 ):
     """The stage's optimizer, schedule and RNG states at ``global_step``, kept with the warm
-    policy (tasks/policy_cache.py: train_state; grpo_core/rl_trainer.py: RLOptimization)."""
-    from grpo_core.rl_trainer import RLOptimization
+    policy: the one in memory when it is the state saved at this step, else the saved one,
+    else fresh (grpo_core/train_state.py: TrainState.resume, RLOptimization)."""
+    from grpo_core import offload
+    from grpo_core.train_state import RLOptimization, TrainState
 
     optimization = RLOptimization.of_stage(
         rl,
@@ -148,14 +142,23 @@ def _train_state(
         total_steps=total_steps,
         sharded=dp.sharded,
     )
-    return policy_cache.train_state(
-        w,
+    live, w.train = w.train, None  # a failed build leaves no state of the wrong step
+    if live is not None:  # moved to CPU memory while a colocated engine generated
+        offload.restore(live.optimizer)
+    # where a saved state would be: the checkpoint, or the record's kept one
+    saved = policy_ref.saved_at(w.checkpoint) or w.checkpoint
+    w.train = TrainState.resume(
+        w.model,
+        saved,
+        live,
         key=optimization.key,
         global_step=global_step,
         build=optimization.build,
         seed=seed,
         load_optimizer=dp.load_full_optimizer_state,
+        logger=logger(__name__),
     )
+    return w.train
 
 
 def _save(
@@ -207,7 +210,7 @@ def _save(
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`update_from_file` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options)
+    process.load_policies_with(model_options, trained_policy=policy_cache.holding)
     return update_from_file(**kwargs, data_parallel=data_parallel)
 
 
@@ -224,6 +227,38 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
         what=f"{kwargs.get('stage', 'offline')} iteration {iteration} update",
         out_checkpoint=kwargs["out_checkpoint"],
     )
+
+
+def policy(path: str | Path, slot: str = "policy", *, mutate: bool = False, lora_base=None):
+    """The policy of a checkpoint or an RL iteration's record: from memory or disk
+    (``policy_cache.get``), else, for a record whose weights were not kept, by replaying its
+    update from its parent (recursively, so from the nearest kept state) and checking that
+    the replay gives the recorded weights."""
+    try:
+        return policy_cache.get(path, slot, mutate=mutate, lora_base=lora_base)
+    except policy_cache.NotInMemory as e:
+        gone = e  # (the except clause's name is cleared when it ends)
+    ref = gone.ref
+    logger(__name__).info(
+        "%s: policy %s is not in memory and has no kept checkpoint (%s): replaying the "
+        "update of iteration %s from %s",
+        Path(path).parent.name,
+        ref.policy_id,
+        gone.why,
+        ref.update.get("iteration"),
+        ref.parent,
+    )
+    got = replay(ref)
+    policy_cache.STATS["replays"] += 1
+    if got != ref.policy_id:
+        raise UserError(
+            f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
+            f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
+            "here (GPU kernels, data-parallel ranks) or its inputs changed. Keep the train "
+            "states such reruns start from (rl.save_steps: 1 and a larger "
+            "rl.save_total_limit), or rerun the stage with --force"
+        )
+    return policy_cache.get(path, slot, mutate=mutate, lora_base=lora_base)
 
 
 def replay(ref: PolicyRef) -> str:

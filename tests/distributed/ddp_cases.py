@@ -221,7 +221,7 @@ def gather_memory(data_parallel, checkpoint: str, out_dir: str) -> None:
 
     from grpo_core.fsdp import ShardedDataParallel
     from grpo_core.optim import build_optimizer
-    from grpo_core.trainer import TrainState
+    from grpo_core.train_state import TrainState
 
     dp = ShardedDataParallel(data_parallel.group)
     model, _ = load_checkpoint(checkpoint)

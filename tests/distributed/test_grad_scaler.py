@@ -12,7 +12,7 @@ from ddp_cases import batch
 
 from grpo_core.checkpoint import load_checkpoint, save_checkpoint
 from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.trainer import TrainState, continue_train_state
+from grpo_core.train_state import TrainState
 from grpo_core.update import grpo_update
 
 CFG = UpdateConfig(loss=LossConfig(loss_type="dapo"), steps_per_generation=4)
@@ -56,7 +56,7 @@ def test_the_scale_survives_a_saved_trainer_state(tiny_checkpoint, tmp_path):
     save_checkpoint(model, tok, tmp_path / "ck", trainer_state=train.state_dict())
 
     fresh, _ = load_checkpoint(tmp_path / "ck")
-    resumed = continue_train_state(
+    resumed = TrainState.resume(
         fresh, tmp_path / "ck", None, key={"stage": "rl_1"}, global_step=len(history),
         build=_optimization,
     )  # fmt: skip

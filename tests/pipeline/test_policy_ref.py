@@ -19,7 +19,7 @@ from tasks.cache import content_hash
 from tasks.policy_ref import read_ref
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.update import update
+from tasks.update import policy, update
 from tasks.workspace import Workspace
 
 RL = RLConfig(
@@ -57,8 +57,10 @@ def test_policies_between_save_points_are_replayed_from_the_kept_state(tiny_chec
     assert records[0].policy_id == policy_id(ws.iteration_checkpoint("rl_1", 0))
 
     policy_cache.clear()  # a new process: iteration 2's policy is replayed from iteration 0's
+    with pytest.raises(policy_cache.NotInMemory):  # the memo only says it does not hold it
+        policy_cache.get(refs[-1])
     replays = policy_cache.STATS["replays"]
-    again = policy_cache.get(refs[-1])
+    again = policy(refs[-1])  # the update task replays
     assert policy_cache.STATS["replays"] - replays == 2  # updates 1 and 2
     assert again.policy_id == records[-1].policy_id
     assert again.train is not None and again.train.global_step == records[-1].global_step
@@ -68,4 +70,4 @@ def test_policies_between_save_points_are_replayed_from_the_kept_state(tiny_chec
     ws.policy_ref("rl_1", 2).write_text(json.dumps(body))
     policy_cache.clear()
     with pytest.raises(UserError, match=r"iter_0002.*gave policy .* but the run recorded 0{16}"):
-        policy_cache.get(refs[-1])
+        policy(refs[-1])

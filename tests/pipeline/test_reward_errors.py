@@ -94,7 +94,7 @@ def test_the_error_rate_limit_is_configurable(rollouts, tmp_path):
 
 
 def test_scores_reported_with_an_error_are_not_failures():
-    from tasks.score import check_reward_failures
+    from grpo_core.iteration import check_reward_failures
 
     timeouts = Scores([0.0, 0.0], errors=["TimeoutError: 5 s", "TimeoutError: 5 s"])
     result = ScoreResult({"code": list(timeouts)}, {"code": timeouts.errors}, [0.0, 0.0])
