@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import flow
 
 from cluster import runtime, storage
-from flows.rl_log import HeldOut, StageLog
-from flows.rl_report import IterationGroup
+from flows.rl_log import Blocks, HeldOut, StageLog
 from flows.rl_schedule import Overlap
 from flows.run_names import named
 from grpo_core import rewards
@@ -69,60 +68,32 @@ def rl_stage(
     config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
     with stage_run(tracking, stage, {"init_checkpoint": init_checkpoint}, config=config) as run_id:
         _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights)
-        log = StageLog(tracking, run_id, stage, HeldOut(eval_path, eval_cfg, eval_engine, force))
-        policy, step, t0, reused = init_checkpoint, 0, time.perf_counter(), 0
-        last_table = None  # the last in-loop eval's table: the final checkpoint's weights
-        start_eval = None
+        held_out = HeldOut(eval_path, eval_cfg, eval_engine, force)
+        log = StageLog(tracking, run_id, stage, held_out, blocks=Blocks(rl, config))
+        t0, start_eval = time.perf_counter(), None
         if rl.eval_on_start:  # step 0 of the curves: what RL starts from
-            start_eval = log.held_out(init_checkpoint, 0, step, ws.start_eval_table(stage))
-        name = f"{tracking.run_name}/{stage}" if tracking.run_name else stage  # demo/rl_1/rollout-0
-        run = _Iterations(stage, name, init_checkpoint, rl, rl_path, weights, ws, seed, engine,
-                          force)  # fmt: skip
-        overlap = None
-        try:
-            overlap = run.overlap()  # rl.async_level > 0: rollouts run ahead of the updates
+            start_eval = log.held_out(init_checkpoint, 0, 0, ws.start_eval_table(stage))
+        tasks = _StageTasks(stage, f"{tracking.run_name}/{stage}" if tracking.run_name else stage,
+                            init_checkpoint, rl, rl_path, weights, ws, seed, engine, force)  # fmt: skip
+        saves = SavePoints(ws, stage, rl)
+        policy, step, reused = init_checkpoint, 0, 0
+        with tasks:  # rl.async_level > 0: rollouts run ahead of the updates
             for it in range(rl.iterations):
-                if it % rl.eval_every == 0:
-                    last_it = min(it + rl.eval_every, rl.iterations) - 1
-                    group = IterationGroup.start(tracking, run_id, stage, it, last_it, config)
-                roll, scored, extra = run.scored(it, policy, overlap)
-                upd = named(update, f"{name}/update-{it}")(
-                    stage,
-                    it,
-                    policy,
-                    scored.path,
-                    str(ws.iteration_checkpoint(stage, it)),
-                    rl,
-                    reference_checkpoint=init_checkpoint,
-                    init_checkpoint=init_checkpoint,
-                    global_step=step,
-                    total_steps=rl.total_optimizer_steps,
-                    seed=seed,
-                    force=force,
-                    ref_path=str(ws.policy_ref(stage, it)),
-                    keep=rl.saves_at(it),
-                )
-                it_cached = roll.cached and scored.cached and upd.cached
-                reused += it_cached
-                log.iteration(group, it, step, (roll, scored, upd), it_cached, extra)
+                log.block_start(it)
+                roll, scored, extra = tasks.scored(it, policy)
+                upd = tasks.update(it, policy, scored.path, step)
+                cached = roll.cached and scored.cached and upd.cached
+                reused += cached
+                log.iteration(it, step, (roll, scored, upd), cached, extra)
                 step, policy = upd.global_step, upd.checkpoint
-                if overlap is not None:  # the engine starts on what this policy samples
-                    overlap.policy_known(it + 1, policy, policy_cache.policy_id(policy))
-                if it >= rl.async_level:  # keep the checkpoints queued rollouts read
-                    _prune(ws, stage, it - rl.async_level, rl)
-                done = it + 1  # the x-axis of the stage's curves: iterations done
-                if done % rl.eval_every == 0 or done == rl.iterations:
-                    table = ws.iteration_eval_table(stage, it)
-                    last_table = log.block_end(group, policy, done, step, table, scored).table
-                if not it_cached:  # live curves while training; replayed history goes in one call
+                tasks.policy_known(it + 1, policy)  # what queued rollouts sample
+                saves.after(it)
+                log.block_end(it, policy, step, ws.iteration_eval_table(stage, it), scored)
+                if not cached:  # live curves while training; replayed history goes in one call
                     log.metrics.flush_every(METRICS_FLUSH_S)
-        finally:
-            run.close(overlap)
-        for it in range(max(0, rl.iterations - rl.async_level), rl.iterations):
-            _prune(ws, stage, it, rl)
-        if overlap is not None:
-            log.metrics.add(chart_metrics(overlap.shares()), rl.iterations)
-        policy_cache.WRITER.drain()  # the kept checkpoints are in place
+        saves.finish()
+        if tasks.shares:
+            log.metrics.add(chart_metrics(tasks.shares), rl.iterations)
         final = _final_checkpoint(ws.checkpoint(stage), policy)
         wall = log.finish(final, step, reused, rl.iterations, t0)
     return RLStageOutcome(
@@ -131,16 +102,17 @@ def rl_stage(
         global_step=step,
         wall_time_s=wall,
         evals=log.evals,
-        eval_table=last_table,
+        eval_table=log.blocks.last_table,
         start_eval_table=start_eval and start_eval.table,
         cached_iterations=reused,
     )
 
 
 @dataclass
-class _Iterations:
-    """How the stage runs an iteration's rollout and scoring tasks: in line (on-policy), or
-    submitted ahead by the async schedule (flows/rl_schedule.py)."""
+class _StageTasks:
+    """How the stage runs an iteration's tasks: rollout and scoring in line (on-policy), or
+    submitted ahead by the async schedule (flows/rl_schedule.py), which runs while the
+    stage is entered (``with``); then the update."""
 
     stage: str
     name: str
@@ -152,6 +124,8 @@ class _Iterations:
     seed: int
     engine: dict | None
     force: bool
+    overlap: Overlap | None = None
+    shares: dict = field(default_factory=dict)  # the async schedule's idle shares, at the end
 
     def _args(self, it: int, policy: str) -> tuple:
         out = str(self.ws.rollouts(self.stage, it))
@@ -161,10 +135,10 @@ class _Iterations:
         scored = str(self.ws.scored(self.stage, it))
         return (self.stage, it, rollouts, scored, self.rl.rewards_at(it, self.weights), self.rl)
 
-    def scored(self, it: int, policy: str, overlap: Overlap | None):
+    def scored(self, it: int, policy: str):
         """Iteration ``it``'s rollout and scoring results and the numbers the schedule adds."""
-        if overlap is not None:
-            return overlap.take(it)
+        if self.overlap is not None:
+            return self.overlap.take(it)
         roll = named(rollout, f"{self.name}/rollout-{it}")(
             *self._args(it, policy), force=self.force
         )
@@ -172,6 +146,26 @@ class _Iterations:
             *self._score_args(it, roll.path), force=self.force
         )
         return roll, scored, {}
+
+    def update(self, it: int, policy: str, scored_path: str, step: int):
+        """Iteration ``it``'s update of ``policy`` (at optimizer step ``step``)."""
+        rl, ws = self.rl, self.ws
+        return named(update, f"{self.name}/update-{it}")(
+            self.stage,
+            it,
+            policy,
+            scored_path,
+            str(ws.iteration_checkpoint(self.stage, it)),
+            rl,
+            reference_checkpoint=self.init_checkpoint,
+            init_checkpoint=self.init_checkpoint,
+            global_step=step,
+            total_steps=rl.total_optimizer_steps,
+            seed=self.seed,
+            force=self.force,
+            ref_path=str(ws.policy_ref(self.stage, it)),
+            keep=rl.saves_at(it),
+        )
 
     def submit(self, it: int, policy: str):
         """Iteration ``it``'s rollout task, and its scoring task once the file lands."""
@@ -182,13 +176,19 @@ class _Iterations:
         )
         return roll, scored
 
-    def overlap(self) -> Overlap | None:
-        """The async schedule (None: on-policy); its first rollouts are submitted now."""
+    def policy_known(self, j: int, policy: str) -> None:
+        """The async schedule starts the rollouts ``policy`` (``P_j``) samples."""
+        if self.overlap is not None:
+            self.overlap.policy_known(j, policy, policy_cache.policy_id(policy))
+
+    def __enter__(self) -> _StageTasks:
+        """With ``rl.async_level`` > 0, the async schedule; its first rollouts are
+        submitted now."""
         if not self.rl.async_level:
-            return None
+            return self
         executor = runtime.executor()
         executor.overlap(True)  # the local engine process: this process keeps the other cores
-        overlap = Overlap(
+        self.overlap = Overlap(
             self.rl.async_level,
             self.rl.iterations,
             self.submit,
@@ -197,12 +197,13 @@ class _Iterations:
             load=load_policy,
             source=self.init_checkpoint,
         )
-        overlap.policy_known(0, self.init_checkpoint, policy_cache.policy_id(self.init_checkpoint))
-        return overlap
+        self.policy_known(0, self.init_checkpoint)
+        return self
 
-    def close(self, overlap: Overlap | None) -> None:
-        if overlap is not None:
-            overlap.cancel()
+    def __exit__(self, *exc) -> None:
+        if self.overlap is not None:
+            self.overlap.cancel()
+            self.shares = self.overlap.shares()
         if self.rl.async_level:
             runtime.executor().overlap(False)
 
@@ -246,21 +247,42 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
     return final
 
 
-def _prune(ws: Workspace, stage: str, it: int, rl: RLConfig) -> None:
-    """After iteration ``it``: keep the checkpoints of the last ``rl.save_total_limit`` save
-    points (``rl.save_steps``) and delete older ones; a checkpoint written at another
-    iteration (data-parallel ranks write every update's, for the rollout replicas) once the
-    next one exists. Rollouts, scores and policy records of every iteration stay: a rerun
-    replays from the nearest kept state."""
-    saves = list(range(rl.save_steps - 1, it + 1, rl.save_steps))
-    if rl.saves_at(it) and it not in saves:  # the stage's last iteration
-        saves.append(it)
-    older = set(saves[: -rl.save_total_limit]) | ({it - 1} - set(saves))
-    for j in sorted(x for x in older if x >= 0):
-        path = ws.iteration_checkpoint(stage, j)
-        if not path.exists():
-            continue
-        if policy_cache.WRITER.is_pending(path):
-            policy_cache.WRITER.drain()
-        shutil.rmtree(path, ignore_errors=True)
-        storage.remove(path)
+@dataclass
+class SavePoints:
+    """What an RL stage keeps on disk: after iteration ``it`` (:meth:`after`), the
+    checkpoints of the last ``rl.save_total_limit`` save points (``rl.save_steps``) stay
+    and older ones go; a checkpoint written at another iteration (data-parallel ranks write
+    every update's, for the rollout replicas) goes once the next one exists. Rollouts,
+    scores and policy records of every iteration stay: a rerun replays from the nearest
+    kept state. With ``rl.async_level`` k, the checkpoints queued rollouts read stay k
+    iterations longer."""
+
+    ws: Workspace
+    stage: str
+    rl: RLConfig
+
+    def after(self, it: int) -> None:
+        if it >= self.rl.async_level:
+            self._prune(it - self.rl.async_level)
+
+    def finish(self) -> None:
+        """The stage's loop is over: the lagging iterations, and the background writes."""
+        n, lag = self.rl.iterations, self.rl.async_level
+        for it in range(max(0, n - lag), n):
+            self._prune(it)
+        policy_cache.WRITER.drain()  # the kept checkpoints are in place
+
+    def _prune(self, it: int) -> None:
+        rl = self.rl
+        saves = list(range(rl.save_steps - 1, it + 1, rl.save_steps))
+        if rl.saves_at(it) and it not in saves:  # the stage's last iteration
+            saves.append(it)
+        older = set(saves[: -rl.save_total_limit]) | ({it - 1} - set(saves))
+        for j in sorted(x for x in older if x >= 0):
+            path = self.ws.iteration_checkpoint(self.stage, j)
+            if not path.exists():
+                continue
+            if policy_cache.WRITER.is_pending(path):
+                policy_cache.WRITER.drain()
+            shutil.rmtree(path, ignore_errors=True)
+            storage.remove(path)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
-from grpo_core.config import EvalConfig
+from grpo_core.config import EvalConfig, RLConfig
 from tasks import policy_cache
 from tasks.chart_keys import chart_metrics, eval_point, iteration_means, step_metrics
 from tasks.evaluate import evaluate_checkpoint
@@ -40,11 +40,34 @@ class HeldOut:
 
 
 @dataclass
+class Blocks:
+    """An RL stage's iterations in blocks of ``rl.eval_every``, each a nested MLflow run
+    (flows/rl_report.py: IterationGroup) ended by a held-out eval; the last block ends at
+    the stage's last iteration."""
+
+    rl: RLConfig
+    config: dict  # the stage's settings, on each block's run
+    group: IterationGroup | None = None  # the block in progress
+    last_table: str | None = None  # the last block eval's table: the final weights'
+
+    def starts(self, it: int) -> bool:
+        return it % self.rl.eval_every == 0
+
+    def last(self, it: int) -> int:
+        return min(it + self.rl.eval_every, self.rl.iterations) - 1
+
+    def ends(self, it: int) -> bool:
+        done = it + 1
+        return done % self.rl.eval_every == 0 or done == self.rl.iterations
+
+
+@dataclass
 class StageLog:
     tracking: Tracking
     run_id: str
     stage: str
     evaluate: HeldOut
+    blocks: Blocks
     evals: list[dict] = field(default_factory=list)  # each held-out eval's numbers
     metrics: PendingMetrics = field(init=False)  # cached iterations are logged in one batch
     report: StageReport = field(init=False)
@@ -68,12 +91,19 @@ class StageLog:
         self.tracking.log_table(self.run_id, ev.samples, f"eval_samples/step_{done:04d}.json")
         return ev
 
-    def iteration(
-        self, group: IterationGroup, it: int, step: int, results, cached: bool, extra=None
-    ) -> None:
+    def block_start(self, it: int) -> None:
+        """Iteration ``it`` starts a block: its nested run opens."""
+        b = self.blocks
+        if b.starts(it):
+            b.group = IterationGroup.start(
+                self.tracking, self.run_id, self.stage, it, b.last(it), b.config
+            )
+
+    def iteration(self, it: int, step: int, results, cached: bool, extra=None) -> None:
         """Iteration ``it``'s point (its optimizer steps averaged, its scores and rollout
         numbers, ``extra``: the async schedule's) in the stage's run and its block's; the
         block also gets every step."""
+        group = self.blocks.group
         roll, scored, upd = results
         group.cached &= bool(cached)
         for i, h in enumerate(upd.history):  # the nested run keeps every optimizer step
@@ -84,13 +114,19 @@ class StageLog:
         group.add(point, it + 1)
         self.report.iteration(it, point, cached)
 
-    def block_end(self, group, policy: str, done: int, step: int, table: Path, scored):
-        """The eval that ends a block of iterations: the held-out eval of ``policy``, the
-        block's run ended with it, a sample of the training completions in the stage's run."""
+    def block_end(self, it: int, policy: str, step: int, table: Path, scored) -> None:
+        """After iteration ``it``, when it ends a block: the held-out eval of ``policy``,
+        the block's run ended with it, a sample of the training completions in the stage's
+        run."""
+        if not self.blocks.ends(it):
+            return
+        done = it + 1
         ev = self.held_out(policy, done, step, table)
-        group.end(done, eval_point(ev.summary_metrics()), policy_cache.policy_id(policy))
+        self.blocks.last_table = ev.table
+        self.blocks.group.end(
+            done, eval_point(ev.summary_metrics()), policy_cache.policy_id(policy)
+        )
         # the training completions the MLflow UI pages through, at this eval point
-        it = done - 1
         self.tracking.log_table(
             self.run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json"
         )
@@ -102,7 +138,6 @@ class StageLog:
             ev.accuracy,
             scored.metrics["reward"],
         )
-        return ev
 
     def finish(self, final: Path, step: int, reused: int, iterations: int, t0: float) -> float:
         """The stage's last tags and metrics, its eval history and Prefect report; returns

@@ -42,10 +42,29 @@ def _warn(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=3)
 
 
+# a field whose value does not change an update's result: the update's cache key leaves it
+# out (tasks/update.py: UNKEYED; the reward weights are in the scored file the update reads)
+NOT_IN_UPDATE_KEY = {"update_key": False}
+
+
+def update_unkeyed(model: type) -> set[str]:
+    """The fields of ``model`` marked :data:`NOT_IN_UPDATE_KEY`."""
+    return {
+        name
+        for name, f in model.model_fields.items()
+        if isinstance(f.json_schema_extra, dict) and f.json_schema_extra.get("update_key") is False
+    }
+
+
 class RLConfig(TrainingKnobs):
     section_name: ClassVar[str] = "rl"
 
-    iterations: int = Field(40, ge=0, description="generation batches (rollout->score->update)")
+    iterations: int = Field(
+        40,
+        json_schema_extra=NOT_IN_UPDATE_KEY,
+        ge=0,
+        description="generation batches (rollout->score->update)",
+    )
     prompts_per_iteration: int = Field(32, ge=1)
     num_generations: int = Field(8, ge=2)
     steps_per_generation: int = Field(
@@ -151,14 +170,21 @@ class RLConfig(TrainingKnobs):
         default_factory=list, description="stop strings (kept in the completion)"
     )
     max_completion_length: int = Field(48, ge=1)
-    eval_every: int = Field(10, ge=1, description="held-out eval every N iterations")
+    eval_every: int = Field(
+        10,
+        json_schema_extra=NOT_IN_UPDATE_KEY,
+        ge=1,
+        description="held-out eval every N iterations",
+    )
     eval_on_start: bool = Field(
         True,
+        json_schema_extra=NOT_IN_UPDATE_KEY,
         description="held-out eval of the starting checkpoint (step 0 of the stage's curves; "
         "in `grpo run` it is also the previous stage's final evaluation, so it costs nothing)",
     )
     save_steps: int = Field(
         10,
+        json_schema_extra=NOT_IN_UPDATE_KEY,
         ge=1,
         description="keep the full train state (weights, AdamW, schedule, RNG) every N "
         "iterations and at the stage's end; the iterations between stay in memory and are "
@@ -166,11 +192,13 @@ class RLConfig(TrainingKnobs):
     )
     save_total_limit: int = Field(
         2,
+        json_schema_extra=NOT_IN_UPDATE_KEY,
         ge=1,
         description="kept train states of the stage besides its final checkpoint (the oldest "
         "are deleted; TRL's save_total_limit)",
     )
     reward_weights_from: dict[int, dict[str, float]] = Field(
+        json_schema_extra=NOT_IN_UPDATE_KEY,
         default_factory=dict,
         description="{iteration: {reward: weight}}: from that iteration on, these weights "
         "replace the `rewards` entries of the same name (a reward curriculum; a rerun that "

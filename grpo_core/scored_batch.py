@@ -32,7 +32,10 @@ class ScoredRows:
     def read(cls, path: str, *, dynamic_sampling: bool = False) -> ScoredRows:
         """``path``'s rows; with ``dynamic_sampling`` only the groups with some non-zero
         advantage are kept (a group without reward variance carries no signal)."""
-        table = read_scored(path)
+        return cls._of(read_scored(path), path, dynamic_sampling)
+
+    @classmethod
+    def _of(cls, table: pa.Table, path, dynamic_sampling: bool) -> ScoredRows:
         columns = table.select(COLUMNS).to_pydict()
         _check_finite(columns["advantage"], path)
         gids = group_ids(table, path)
@@ -45,6 +48,12 @@ class ScoredRows:
             keep = informative.nonzero().squeeze(-1).tolist()
             metrics["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)
         return cls(str(path), table, columns, gids, keep, metrics)
+
+    @classmethod
+    def of_table(cls, table: pa.Table, *, dynamic_sampling: bool = False) -> ScoredRows:
+        """A scored table in memory (``grpo_core.iteration.score``) as :meth:`read` gives a
+        file's rows."""
+        return cls._of(table, "scored table", dynamic_sampling)
 
     def batch(self, pad_id: int, *, mask_truncated: bool, sampling_logprobs: bool) -> UpdateBatch:
         """The kept rows padded: truncated rows (``finish_reason`` length) with an empty mask

@@ -18,22 +18,16 @@ from cluster import process, storage
 from grpo_core.checkpoint import save_checkpoint
 from grpo_core.config import RLConfig
 from grpo_core.errors import UserError
+from grpo_core.rl_config import update_unkeyed
 from tasks import policy_cache, policy_ref
 from tasks.cache import cached, stage_key
 from tasks.policy_ref import PolicyRef
 from tasks.results import UpdateResult
 from tasks.run_log import logger, pull
 
-# RL settings that do not change an update's result: its key leaves them out (the reward
-# weights are in the scored file it reads)
-UNKEYED = {
-    "eval_every",
-    "eval_on_start",
-    "iterations",
-    "save_steps",
-    "save_total_limit",
-    "reward_weights_from",
-}
+# RL settings that do not change an update's result, marked on their fields: its key leaves
+# them out (the reward weights are in the scored file it reads)
+UNKEYED = update_unkeyed(RLConfig)
 
 
 def update_from_file(
