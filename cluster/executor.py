@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
 from grpo_core.engines import WarmEngines
-from grpo_core.turns import SampleRequest, run_turns
+from grpo_core.turns import SampleRequest, TurnEngine
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +107,14 @@ class Local:
 
     def eval_sampler(self, policy: Policy, request: SampleRequest):
         """What generates a held-out eval's completions of ``policy``: None (HF generate on
-        the warm policy in this process), or this process's warm engine."""
-        if request.engine == "hf":
+        the warm policy in this process), or this process's warm engine; with an environment
+        (``request.tools``), that engine through the turn loop."""
+        if request.engine == "hf" and not request.tools:
             return None
-        return self.engine(
+        eng = self.engine(
             policy, request.engine, request.engine_options, check_sync=request.check_sync
         )
+        return TurnEngine(eng, request.tools) if request.tools else eng
 
     def served_here(self) -> tuple | None:
         """``(start, end)`` (``time.monotonic``) of the engine process's work on this
@@ -170,7 +172,7 @@ class Local:
         eng = self.engine(
             policy, request.engine, request.engine_options, check_sync=request.check_sync
         )
-        samples = run_turns(eng, prompt_ids, request.params, desc=request.desc, progress=True)
+        samples = request.run(eng, prompt_ids, progress=True)
         eng.sleep()  # frees accelerator memory for the update where the engine supports it
         return samples
 

@@ -70,12 +70,8 @@ class Replica:
 
     def generate(self, prompt_ids: list[list[int]], request: SampleRequest) -> list[Sample]:
         """This shard's episodes, through the turn loop (grpo_core/turns.py)."""
-        from grpo_core.turns import run_turns
-
         self.engine.wake_up()
-        samples = run_turns(
-            self.engine, prompt_ids, request.params, desc=request.desc, progress=False
-        )
+        samples = request.run(self.engine, prompt_ids, progress=False)
         self.engine.sleep()
         return samples
 

@@ -212,8 +212,8 @@ class RolloutGroup:
         self.served.append(desc)
         ranges = shards(len(prompt_ids), len(self.actors))
         shard_requests = [
-            request.with_params(dataclasses.replace(params, seed=shard_seed(params.seed, k)))
-            for k in range(len(ranges))
+            request.shard(a, b, dataclasses.replace(params, seed=shard_seed(params.seed, k)))
+            for k, (a, b) in enumerate(ranges)
         ]
         calls = [
             self.actors[k].generate.remote(prompt_ids[a:b], shard_requests[k])

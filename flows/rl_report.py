@@ -82,9 +82,11 @@ def rollout_sample(scored_path: str, n: int = 16, answer_rewards=ANSWER_REWARDS)
     rest = [
         "finish_reason",
         "completion_length",
+        *(["tool_calls", "tool_errors"] if "turns" in names else []),
         *sorted(c for c in names if c.startswith("reward_")),
     ]
-    cols = ["reward", "advantage", "answer", "completion", "prompt_text", "prompt_id", *rest]
+    cols = ["reward", "advantage", "answer", "completion", "prompt_text", "prompt_id", "turns",
+            *rest]  # fmt: skip
     rows = pq.read_table(scored_path, columns=[c for c in cols if c in names]).to_pylist()
     groups: dict = {}
     for row in rows:
@@ -98,10 +100,26 @@ def rollout_sample(scored_path: str, n: int = 16, answer_rewards=ANSWER_REWARDS)
             shown = {k: r.get(k) for k in ("reward", "advantage", "answer")}
             shown["model_answer"] = model_answer(r.get("completion", ""), answer_rewards)
             shown["completion"] = r.get("completion")
+            if r.get("turns"):  # a tool-using episode, turn by turn
+                shown["trajectory"] = trajectory(r["turns"])
             shown["prompt"] = r.get("prompt_text")
             shown.update({k: r[k] for k in rest if k in r})
             out.append(shown)
     return out[:n]
+
+
+def trajectory(turns: list[dict]) -> str:
+    """An episode turn by turn, the tool's answers set apart: ``[model] ...`` /
+    ``[tool 0.17s] ...`` (``[tool error: ...]`` when the call failed), one turn a line."""
+    lines = []
+    for t in turns:
+        if t.get("role") == "tool":
+            err = t.get("error")
+            head = f"[tool error: {err[:80]}]" if err else f"[tool {t.get('seconds') or 0:.2f}s]"
+        else:
+            head = "[model]"
+        lines.append(f"{head} {t.get('text') or ''}")
+    return "\n".join(lines)
 
 
 def _fmt(v, digits: int = 3) -> str:
@@ -130,6 +148,8 @@ class StageReport:
                 "loss": point.get("train/loss"),
                 "entropy": point.get("train/entropy"),
                 "length": point.get("train/completions/mean_length"),
+                "tool_calls": point.get("train/tools/calls_per_completion"),
+                "tool_errors": point.get("train/tools/error_rate"),
                 "seconds": sum(v for k, v in point.items() if k.startswith("train/timing/")),
                 "cached": cached,
             }
@@ -156,18 +176,22 @@ class StageReport:
         n = len(self.rows)
         facts.append(f"{n} iteration{'s' * (n != 1)} ({cached} reused from cache), {wall:.0f}s")
         lines += ["; ".join(facts) + ".", ""]
+        tools = any(r.get("tool_calls") is not None for r in self.rows)
+        extra = " tool calls / completion | tool errors |" if tools else ""
         lines += [
-            "| iteration | reward | held-out accuracy | loss | entropy | completion length | seconds |",
-            "|---|---|---|---|---|---|---|",
+            "| iteration | reward | held-out accuracy | loss | entropy | completion length "
+            "| seconds |" + extra,
+            "|---|---|---|---|---|---|---|" + "---|---|" * tools,
         ]
         every = max(1, math.ceil(len(self.rows) / TABLE_ROWS))
         for i, r in enumerate(self.rows):
             if i % every and i != len(self.rows) - 1:
                 continue
+            cells = f" {_fmt(r['tool_calls'])} | {_pct(r['tool_errors'])} |" if tools else ""
             lines.append(
                 f"| {r['iteration']} | {_fmt(r['reward'])} | {_pct(acc.get(r['iteration'] + 1))} "
                 f"| {_fmt(r['loss'])} | {_fmt(r['entropy'])} | {_fmt(r['length'])} "
-                f"| {r['seconds']:.1f} |"
+                f"| {r['seconds']:.1f} |" + cells
             )
         lines += self._problems()
         return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from grpo_core.data_config import DataConfig, DemoDataConfig, WordProblemsConfig
+from grpo_core.environments import CALL_END, CALL_START, RESULT_END, RESULT_START, ToolSpec
 from grpo_core.model_config import DemoModelConfig, LoraConfig, ModelConfig
 from grpo_core.rl_config import RLConfig
 from grpo_core.section import Section, TrainingKnobs
@@ -58,11 +59,17 @@ class SFTConfig(TrainingKnobs):
     checkpoint_every: int = Field(
         100, ge=0, description="save a resume checkpoint every K steps (0: off)"
     )
+    mask_spans: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="[[start, end], ...]: completion text from a start marker to its end marker "
+        "(both included) is context, not a target: no loss (a tool's output in a tool-using "
+        "trace, as the RL update masks it; e.g. [['<tool_response>', '</tool_response>']])",
+    )
 
     @property
     def training(self) -> SFTSettings:
         """What ``grpo_core.sft.train_sft`` trains with, built from this section."""
-        return same_named(SFTSettings, self)
+        return same_named(SFTSettings, self, mask_spans=tuple(map(tuple, self.mask_spans)))
 
 
 class VLLMConfig(Section):
@@ -118,6 +125,42 @@ class RolloutConfig(Section):
     )
     check_sync: bool = Field(False, description="greedy probe after each weight sync")
     vllm: VLLMConfig = VLLMConfig()
+    tools: list[str] = Field(
+        default_factory=list,
+        description="the environment the policy acts in while it samples (rollouts, held-out "
+        "evals, rejection sampling): ['python'] (a model turn ending with tool_call_end runs "
+        "its code in the code sandbox; the output comes back between the result markers) or "
+        "['module:function'] (your own, docs/tools.md); empty: one model turn",
+    )
+    max_turns: int = Field(4, ge=1, description="model turns per episode (tools only)")
+    max_tool_output_tokens: int = Field(
+        64, ge=4, description="an observation's tokens, result markers included (tools only)"
+    )
+    tool_call_start: str = Field(CALL_START, min_length=1)
+    tool_call_end: str = Field(CALL_END, min_length=1, description="ends a turn that calls")
+    tool_result_start: str = Field(RESULT_START)
+    tool_result_end: str = Field(RESULT_END)
+    tool_timeout_s: float = Field(5.0, gt=0, description="one tool call's wall clock")
+    tool_memory_mb: int = Field(512, ge=64, description="one tool call's address space")
+    tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+
+    def tool_spec(self) -> dict | None:
+        """The environment's settings (``grpo_core.environments.ToolSpec`` fields), or
+        None without ``tools``."""
+        if not self.tools:
+            return None
+        return ToolSpec(
+            tools=tuple(self.tools),
+            max_turns=self.max_turns,
+            max_tool_output_tokens=self.max_tool_output_tokens,
+            call_start=self.tool_call_start,
+            call_end=self.tool_call_end,
+            result_start=self.tool_result_start,
+            result_end=self.tool_result_end,
+            timeout_s=self.tool_timeout_s,
+            memory_mb=self.tool_memory_mb,
+            workers=self.tool_workers,
+        ).as_dict()
 
     def engine_options(self, name: str) -> dict:
         if name == "hf":
@@ -131,7 +174,9 @@ class RolloutConfig(Section):
     def engine_spec(self, name: str | None = None) -> dict:
         """``{"name", "options", "check_sync"}`` for a stage (``None``: ``engine``)."""
         name = name or self.engine
-        return {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
+        spec = {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
+        tools = self.tool_spec()
+        return {**spec, "tools": tools} if tools else spec
 
 
 class RejectionConfig(Section):

@@ -28,11 +28,22 @@ class WordProblemsConfig(Section):
     max_number: int = Field(20, ge=5, description="largest number in a problem")
 
 
+class MultiplyConfig(Section):
+    """``data.source: multiply``: 3-digit x 2-digit products (grpo_core/demo/multiply.py),
+    the tool demo's task."""
+
+    n_sft: int = Field(1000, ge=1)
+    n_rl: int = Field(20000, ge=1)
+    n_dev: int = Field(0, ge=0, description="SFT early-stop split, disjoint from eval")
+    n_eval: int = Field(200, ge=1)
+    tools: bool = Field(True, description="SFT traces call the python tool (else worked out)")
+
+
 class DataConfig(Section):
     """Where the prompts come from and how a plain dataset's columns become the pipeline's
     ``prompt``/``answer``/``completion`` (docs/data.md)."""
 
-    source: Literal["demo", "files", "word_problems"] = "demo"
+    source: Literal["demo", "files", "word_problems", "multiply"] = "demo"
     sft_path: str | None = None
     rl_path: str | None = None
     eval_path: str | None = None
@@ -53,6 +64,7 @@ class DataConfig(Section):
     )
     demo: DemoDataConfig = DemoDataConfig()
     word_problems: WordProblemsConfig = WordProblemsConfig()
+    multiply: MultiplyConfig = MultiplyConfig()
 
     @model_validator(mode="after")
     def _paths_given(self) -> DataConfig:

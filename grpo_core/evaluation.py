@@ -119,6 +119,13 @@ def _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc):
     )
 
 
+def _episode(s) -> dict:
+    """A tool-using episode's columns (grpo_core/turns.py): its turns and tool calls."""
+    if s.turns is None:
+        return {}
+    return {"turns": s.turns, "tool_calls": sum(t["role"] == "tool" for t in s.turns)}
+
+
 def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples):
     """One dict per example and sample (the eval table)."""
     texts = {i: prompt_text(tokenizer, r["prompt"]) for i, r in enumerate(rows)}
@@ -133,6 +140,7 @@ def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, leng
             "formatted": f,
             "length": n,
             "finish_reason": s.finish_reason,
+            **_episode(s),
         }
         for j, (r, c, ok, sc, f, n, s) in enumerate(
             zip(flat_rows, completions, correct, score, fmt, lengths, samples, strict=True)
@@ -203,7 +211,8 @@ def evaluate(
     score = [v or 0.0 for v in scored.per_function[accuracy_reward]]
     correct = [1.0 if v >= FULL_CREDIT else 0.0 for v in score]
     fmt = [v or 0.0 for v in scored.per_function[format_reward]]
-    lengths = [len(s.completion_ids) for s in samples]
+    # the tokens the model wrote (a tool's output is the environment's: grpo_core/turns.py)
+    lengths = [len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples]
     table = _table(
         tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples
     )

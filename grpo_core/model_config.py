@@ -17,6 +17,9 @@ class DemoModelConfig(Section):
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     intermediate_size: int = 512
+    vocabulary: Literal["addition", "tools"] = Field(
+        "addition", description="tools: also the tool markers and '*' (configs/demo-tools.yaml)"
+    )
 
 
 class LoraConfig(Section):

@@ -41,13 +41,18 @@ ROLLOUT_COLUMNS = {
 }
 # Read without them: files from before schema 2 (or from other tools) group by prompt_id;
 # the episode columns are written only when some episode has more than the model's one turn.
-OPTIONAL_COLUMNS = ("group_idx", "loss_mask", "turns")
 EPISODE_COLUMNS = {
     "loss_mask": "per completion token: 1 the model wrote it, 0 an environment added it (no "
     "loss); absent: every token the model's",
-    "turns": "the episode's turns, each {role, start, end}: token span in the completion; "
+    "turns": "the episode's turns, each {role, start, end, text, error, seconds}: the token "
+    "span in the completion, its text, a tool call's error (null: it ran) and wall time; "
     "absent: one assistant turn",
+    "tool_calls": "tool calls in the episode",
+    "tool_errors": "tool calls that failed (raised, timed out, were killed)",
+    "tool_time_s": "the episode's tool calls' wall time",
 }
+OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS)
+EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
     "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
@@ -111,10 +116,14 @@ def rollout_table(
             "iteration": iteration,
         }
         if episodes:
-            rec["loss_mask"] = s.loss_mask or [1] * len(s.completion_ids)
-            rec["turns"] = s.turns or [
-                {"role": "assistant", "start": 0, "end": len(s.completion_ids)}
-            ]
+            n = len(s.completion_ids)
+            turns = s.turns or [{"role": "assistant", "start": 0, "end": n}]
+            tools = [t for t in turns if t["role"] == "tool"]
+            rec["loss_mask"] = s.loss_mask or [1] * n
+            rec["turns"] = [{**EMPTY_TURN, **t} for t in turns]
+            rec["tool_calls"] = len(tools)
+            rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
+            rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
         for k, v in row.items():
             if k not in rec and k != "completion":
                 rec[k] = v

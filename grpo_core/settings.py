@@ -118,6 +118,7 @@ class SFTSettings:
     lm_head: str = "chunked"
     bf16: bool = False
     fp16: bool = False
+    mask_spans: tuple = ()  # (start, end) markers of completion text the loss skips
 
     @property
     def optimization(self) -> Optimization:

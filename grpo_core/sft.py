@@ -42,19 +42,58 @@ class SFTResult:
     resumed_from: int = 0  # the step of the resume checkpoint this run continued from
 
 
-def encode_examples(tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, completion_ids + eos) for rows with ``prompt`` and ``completion``."""
+class MaskedIds(list):
+    """Completion ids with a loss mask (``mask``: 1 a target, 0 context)."""
+
+    mask: list[int]
+
+
+def encode_examples(
+    tokenizer, rows: list[dict], mask_spans: tuple = ()
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt_ids, completion_ids + eos) for rows with ``prompt`` and ``completion``. With
+    ``mask_spans`` ((start, end) marker pairs), a completion holding such a span is encoded
+    piece by piece, each span alone (as the turn loop tokenises an observation), and its
+    tokens get no loss (:class:`MaskedIds`)."""
     out = []
     for i, row in enumerate(rows):
         if "prompt" not in row or "completion" not in row:
             raise ValueError(f"SFT row {i}: needs 'prompt' and 'completion', has {sorted(row)}")
-        out.append(
-            (
-                encode_prompt(tokenizer, row["prompt"]),
-                encode_completion(tokenizer, row["completion"]),
-            )
-        )
+        text = row["completion"]
+        pieces = split_spans(text, mask_spans) if mask_spans else [(text, 1)]
+        if len(pieces) == 1:
+            completion = encode_completion(tokenizer, text)
+        else:
+            completion = MaskedIds()
+            completion.mask = []
+            for piece, keep in pieces:
+                ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                completion += ids
+                completion.mask += [keep] * len(ids)
+            completion.append(tokenizer.eos_token_id)
+            completion.mask.append(1)
+        out.append((encode_prompt(tokenizer, row["prompt"]), completion))
     return out
+
+
+def split_spans(text: str, spans: tuple) -> list[tuple[str, int]]:
+    """``text`` cut into ``(piece, 1)`` and ``(span, 0)`` pieces, a span running from a start
+    marker to the first end marker after it (to the text's end when none follows)."""
+    pieces, pos = [], 0
+    while True:
+        hits = [(text.find(a, pos), a, b) for a, b in spans if text.find(a, pos) >= 0]
+        if not hits:
+            break
+        start, _, end_marker = min(hits)
+        end = text.find(end_marker, start)
+        end = len(text) if end < 0 else end + len(end_marker)
+        if start > pos:
+            pieces.append((text[pos:start], 1))
+        pieces.append((text[start:end], 0))
+        pos = end
+    if pos < len(text) or not pieces:
+        pieces.append((text[pos:], 1))
+    return pieces
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
@@ -68,6 +107,9 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):
         ids[i, : len(seq)] = torch.tensor(seq)
         attn[i, : len(seq)] = 1
         labels[i, len(p) : len(seq)] = torch.tensor(c)
+        mask = getattr(c, "mask", None)
+        if mask is not None:  # context tokens of the completion: no loss
+            labels[i, len(p) : len(seq)][torch.tensor(mask) == 0] = -100
     return ids, attn, labels
 
 
@@ -180,7 +222,7 @@ def train_sft(
         raise ValueError("SFT: no training rows")
     if parallel.sharded and s.fp16:
         raise ValueError("sft.fp16 with cluster.trainer.strategy: fsdp: use sft.bf16")
-    data = encode_examples(tokenizer, rows)
+    data = encode_examples(tokenizer, rows, s.mask_spans)
     run = _Run.start(model, s, seed, parallel)
     if parallel.sharded and resume_dir is not None and s.checkpoint_every:
         logger.warning("%s: sharded ranks write no resume checkpoint (checkpoint_every)", desc)

@@ -41,7 +41,10 @@ def evaluate_checkpoint(
     engine = engine or HF_ENGINE
     if out_table is None:
         return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
-    key = stage_key("eval", {**cfg.model_dump(), "engine": engine["name"]}, [checkpoint, eval_path])
+    settings = {**cfg.model_dump(), "engine": engine["name"]}
+    if engine.get("tools"):  # the environment the policy acts in
+        settings["tools"] = engine["tools"]
+    key = stage_key("eval", settings, [checkpoint, eval_path])
 
     def compute() -> EvalOutcome:
         hit = None if force or not same_as else lookup(same_as, key)

@@ -31,6 +31,10 @@ def generated_splits(data: DataConfig, seed: int):
     if data.source == "demo":
         d = data.demo
         return make_splits(seed, d.digits, d.n_sft, d.n_rl, d.n_dev, d.n_eval)
+    if data.source == "multiply":
+        from grpo_core.demo.multiply import make_splits as multiply_splits
+
+        return multiply_splits(seed, **data.multiply.model_dump())
     from grpo_core.demo.word_problems import make_splits as word_problem_splits
 
     return word_problem_splits(seed, **data.word_problems.model_dump())
@@ -47,7 +51,7 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
     log = logger(__name__)
     out: dict[str, str] = {}
     mapping = data.mapping()
-    if data.source in ("demo", "word_problems"):
+    if data.source in ("demo", "word_problems", "multiply"):
         splits = generated_splits(data, seed)
         for name in ("sft", "rl", "dev", "eval"):
             rows = getattr(splits, name)

@@ -49,6 +49,8 @@ def rejection_sampling(
 ) -> RejectionResult:
     engine = engine or HF_ENGINE
     settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
+    if engine.get("tools"):  # the environment the policy acts in
+        settings["tools"] = engine["tools"]
     shards = rollout_shards(cfg.num_prompts)
     if shards > 1:  # replicas sample their shards with their own seeds (cluster/)
         settings["rollout_shards"] = shards
@@ -240,6 +242,7 @@ def _sample_and_filter(
         engine=engine["name"],
         engine_options=engine["options"],
         check_sync=engine["check_sync"],
+        tools=engine.get("tools"),
         desc="rejection sampling",
     )
     scored = score_file(roll.path, str(files.scored), weights)

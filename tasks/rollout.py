@@ -67,6 +67,7 @@ def sample_rollouts(
     engine: str = "hf",
     engine_options: dict | None = None,
     check_sync: bool = False,
+    tools: dict | None = None,
     desc: str = "rollout",
     **sampling,
 ) -> RolloutResult:
@@ -75,6 +76,8 @@ def sample_rollouts(
     and ``num_generations`` samples per prompt drawn with ``seed``."""
     params = Sampling(**sampling).params(num_generations, seed=seed)
     spec = {"name": engine, "options": engine_options, "check_sync": check_sync}
+    if tools:  # the environment (grpo_core/environments.py: ToolSpec's fields)
+        spec["tools"] = tools
     return write_rollouts(policy_checkpoint, rows, out_path, params, iteration, spec, desc)
 
 
@@ -94,6 +97,8 @@ def write_rollouts(
     # load_options: a process that loads its own copy loads it as this one does
     load = policy_cache.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
+    if request.tools:  # the environment starts each episode from its data row
+        request = dataclasses.replace(request, rows=tuple(rows))
     held = executor.held_policy(policy_cache.policy_id(policy_checkpoint))
     w = held or policy_for(executor, policy_checkpoint, request)  # held: rl.async_level
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
@@ -142,9 +147,11 @@ def _metadata(policy_checkpoint, engine: dict, params, shards: int, dtype: str) 
 
 
 def _generation_metrics(samples: list, seconds: float) -> dict:
-    lengths = [len(s.completion_ids) for s in samples]
+    """TRL's completion metrics, of the tokens the model wrote (an environment's tokens
+    are left out); with tools, the episodes' numbers too (:func:`tool_metrics`)."""
+    lengths = [len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples]
     n_tokens = sum(lengths)
-    return {
+    out = {
         "completions/mean_length": n_tokens / len(samples),
         "completions/min_length": float(min(lengths)),
         "completions/max_length": float(max(lengths)),
@@ -152,6 +159,28 @@ def _generation_metrics(samples: list, seconds: float) -> dict:
         / len(samples),
         "timing/rollout_s": seconds,
         "rollout/tokens_per_s": n_tokens / max(seconds, 1e-9),
+    }
+    if any(s.turns is not None for s in samples):
+        out.update(tool_metrics(samples, seconds))
+    return out
+
+
+def tool_metrics(samples: list, seconds: float) -> dict:
+    """Per rollout with an environment: tool calls per completion, the share of calls that
+    failed, model turns per completion, the share of completion tokens the environment
+    added, and the share of the rollout's wall time the calls took (their seconds summed
+    over the tool workers)."""
+    tools = [t for s in samples for t in s.turns or () if t["role"] == "tool"]
+    turns = sum(sum(t["role"] == "assistant" for t in s.turns or ()) for s in samples)
+    total = sum(len(s.completion_ids) for s in samples)
+    env_tokens = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples if s.loss_mask)
+    return {
+        "tools/calls_per_completion": len(tools) / len(samples),
+        "tools/error_rate": sum(t["error"] is not None for t in tools) / max(1, len(tools)),
+        "tools/turns_per_completion": turns / len(samples),
+        "tools/token_share": env_tokens / max(1, total),
+        "tools/seconds": sum(t["seconds"] for t in tools),
+        "tools/time_share": sum(t["seconds"] for t in tools) / max(seconds, 1e-9),
     }
 
 
@@ -212,6 +241,8 @@ def rollout_key(stage, iteration, policy_checkpoint, rl_path, rl: RLConfig, seed
     shards = rollout_shards(rl.prompts_per_iteration)
     if shards > 1:  # each shard samples with its own seed: another sample than one process's
         params["rollout_shards"] = shards
+    if engine.get("tools"):  # the environment's settings (rollout.tools and its knobs)
+        params["tools"] = engine["tools"]
     return stage_key("rollout", params, [policy_checkpoint, rl_path])
 
 

@@ -18,6 +18,10 @@ PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|eos|>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 CHARS = list("0123456789+-=, ")
+# vocabulary "tools" (the tool demo, grpo_core/demo/multiply.py): the tool markers are single
+# tokens and "*" a character, appended so that every other id stays what it was
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOL_CHARS = ["*"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -28,15 +32,20 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level WordLevel tokenizer; tags and role markers are single tokens."""
+def build_tokenizer(vocabulary: str = "addition") -> PreTrainedTokenizerFast:
+    """Character-level WordLevel tokenizer; tags and role markers are single tokens.
+    ``vocabulary``: ``addition`` (the demo), ``tools`` (also the tool markers and ``*``)."""
+    tools = vocabulary == "tools"
+    tags = [*TAGS, *TOOL_TAGS] if tools else TAGS
     vocab_list = [PAD, UNK, EOS, USER, ASSISTANT, *TAGS, *CHARS]
+    if tools:
+        vocab_list += [*TOOL_TAGS, *TOOL_CHARS]
     vocab = {tok: i for i, tok in enumerate(vocab_list)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([PAD, UNK, EOS, USER, ASSISTANT])
-    tok.add_tokens(TAGS)
+    tok.add_tokens(tags)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=PAD, unk_token=UNK, eos_token=EOS, padding_side="left"
     )
@@ -72,10 +81,12 @@ def build_model(
     return Qwen2ForCausalLM(config)
 
 
-def save_base_model(out_dir: str | Path, *, seed: int = 0, **model_kwargs) -> Path:
+def save_base_model(
+    out_dir: str | Path, *, seed: int = 0, vocabulary: str = "addition", **model_kwargs
+) -> Path:
     """Build tokenizer + model and ``save_pretrained`` both into ``out_dir``."""
     from grpo_core.checkpoint import save_checkpoint
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(vocabulary)
     model = build_model(tokenizer, seed=seed, **model_kwargs)
     return save_checkpoint(model, tokenizer, out_dir)

@@ -12,7 +12,10 @@ verdict: no nonce, no verdict pipe, no test. Before it reads the program it lock
    raising, else 1, and the harness reads that exit status from outside (the program holds the
    reply pipe and could forge a reply on it). Otherwise the reply says whether it raised and
    what each name of ``names``
-   (the names the tests take from the program) is: ``"callable"``, a plain value, or why not;
+   (the names the tests take from the program) is: ``"callable"``, a plain value, or why not.
+   With ``"capture": N`` (a tool call, grpo_core/environments.py) the program runs as
+   ``__main__`` with its stdout and stderr kept in memory (the first N characters), the
+   reply carries them as ``"output"``, and the process ends: an observation, not a verdict;
 2. each further request ``{"name", "args", "kwargs"}`` calls that name with the decoded
    arguments; the reply carries the result as a plain value (``_wire.py``: an object of the
    program's, a numpy object array, a generator are refused), or the exception's type name
@@ -61,6 +64,27 @@ def _mutable_args(args):
     return out
 
 
+class _Capture:
+    """A stdout/stderr that keeps the first ``limit`` characters written to it."""
+
+    def __init__(self, limit):
+        self.parts, self.left, self.dropped = [], limit, 0
+
+    def write(self, text):
+        text = str(text)
+        self.parts.append(text[: max(0, self.left)])
+        self.dropped += max(0, len(text) - max(0, self.left))
+        self.left -= len(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def value(self):
+        out = "".join(self.parts)
+        return out + (f"\n... ({self.dropped} more characters)" if self.dropped else "")
+
+
 def _serve():
     req, rep = int(_sys.argv[1]), int(_sys.argv[2])
     send = wire_send  # noqa: F821
@@ -77,7 +101,12 @@ def _serve():
         return
     main = first.get("main") is True
     exit_now = os._exit  # noqa: F821 (_seccomp.py's os) taken before the program can patch it
-    ns = {"__name__": "__main__" if main else "__candidate__", "__builtins__": _builtins}
+    capture = first.get("capture")
+    capture = _Capture(int(capture)) if type(capture) is int else None
+    named_main = main or capture is not None
+    ns = {"__name__": "__main__" if named_main else "__candidate__", "__builtins__": _builtins}
+    if capture is not None:
+        _sys.stdout = _sys.stderr = capture
     ok, error = True, ""
     try:
         code = compile(first["program"], "<program>", "exec")
@@ -88,6 +117,9 @@ def _serve():
         error = "" if ok else _message(exc)
     except BaseException as exc:
         ok, error = False, _message(exc)
+    if capture is not None:  # a tool call: what it printed, and how it ended
+        send(rep, {"ok": ok, "error": error, "output": capture.value()})
+        exit_now(0)
     if main:  # code_runs: the verdict is this process's exit status, which the harness reads
         if error:  # from outside (a reply the program forged on the pipe counts for nothing)
             _sys.stderr.write("grpo-candidate: " + error + "\n")

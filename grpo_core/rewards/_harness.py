@@ -183,11 +183,11 @@ def _emitter(fd, nonce, pid):
     """The one writer of the verdict pipe: ``emit(kind, id, ok, message)`` writes a record
     with the nonce; in a forked child (another pid) it writes nothing."""
 
-    def emit(kind, ident, ok, message=""):
+    def emit(kind, ident, ok, message="", limit=300):
         if os.getpid() != pid:
             return
         line = json.dumps(
-            [nonce, kind, ident, ok is True, str(message)[:300]], separators=(",", ":")
+            [nonce, kind, ident, ok is True, str(message)[:limit]], separators=(",", ":")
         )
         try:
             os.write(fd, (line + "\n").encode("utf-8", "replace"))
@@ -277,6 +277,17 @@ def _start_candidate(payload, names, emit):
         if rc < 0:  # killed by a signal (CPU limit, memory, its own kill): say which
             link.on_gone(rc)
         return link, None
+    if payload["kind"] == "tool":  # a tool call: its output is an observation, not a verdict
+        limit = int(payload.get("output_chars") or 4000)
+        message = {"program": payload.pop("program"), "main": False, "names": [], "capture": limit}
+        try:
+            reply = link.ask(message)
+        except CandidateGone:
+            reply = None
+        if type(reply) is dict:
+            emit("program", "", reply.get("ok") is True, reply.get("error") or "")
+            emit("output", "", True, reply.get("output") or "", limit=limit + 100)
+        return link, None
     try:
         first = link.ask({"program": payload["program"], "main": False, "names": names})
     except CandidateGone:
@@ -340,10 +351,11 @@ def _harness():
     emit = _emitter(fd, payload.pop("nonce"), os.getpid())
     set_not_dumpable()  # noqa: F821 (_seccomp.py)
     kind = payload["kind"]
-    tests, tests_error = _compile_tests(payload, kind) if kind != "run" else ([], None)
+    plain = kind in ("run", "tool")  # a program run without tests
+    tests, tests_error = _compile_tests(payload, kind) if not plain else ([], None)
     names = list(payload.get("candidates") or ())
     link, first = _start_candidate(payload, names, emit)
-    if kind != "run":
+    if not plain:
         tns = _tests_namespace(link, names, first, emit)
         _run_tests(tests, tests_error, tns, payload, link, emit)
     link.close()

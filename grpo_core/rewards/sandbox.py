@@ -85,7 +85,9 @@ def run_program(
 ) -> RunResult:
     """Run ``program`` in the sandbox, then its tests.
 
-    kind: "run" (program only, as ``__main__``), "humaneval" (``tests`` defines
+    kind: "run" (program only, as ``__main__``), "tool" (program only, as ``__main__``, what
+        it prints returned as ``RunResult.output``: grpo_core/environments.py), "humaneval"
+        (``tests`` defines
         ``check(candidate)``, called with ``entry_point``), "asserts" (``tests`` is a list of
         assert statements, MBPP style), "script" (``tests`` is code with asserts).
     isolation: see the module doc; ``None``: ``$GRPO_SANDBOX_ISOLATION`` or ``"auto"``.

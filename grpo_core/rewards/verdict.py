@@ -39,6 +39,7 @@ class RunResult:
     wall_s: float = 0.0
     stderr_tail: str = ""
     records: list[tuple[str, str, bool, str]] = field(default_factory=list, repr=False)
+    output: str = ""  # a tool call's (kind "tool"): what the program printed
 
     @property
     def fraction(self) -> float:
@@ -112,9 +113,10 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
                 + (f" ({never_ran} never ran)" if never_ran else "")
                 + (f": {first_fail}" if first_fail else "")
             )
-        if total == 0 and payload.get("kind") != "run":
+        if total == 0 and payload.get("kind") not in ("run", "tool"):
             parts.append("no assert of the tests exercises the candidate: nothing to score")
         error = "; ".join(parts) or None
     if error and "MemoryError" in tail and status != "ok":
         error += " (MemoryError)"
-    return RunResult(status, passed, total, program_ok, error, rc, wall, tail, records)
+    output = next((r[3] for r in records if r[0] == "output"), "")
+    return RunResult(status, passed, total, program_ok, error, rc, wall, tail, records, output)

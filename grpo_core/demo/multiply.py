@@ -1,0 +1,66 @@
+"""Multiplication, the tool demo's task (``data.source: multiply``, configs/demo-tools.yaml):
+``a*b`` with a 3-digit ``a`` and a 2-digit ``b``, answer in ``<answer>``.
+
+A 1M-parameter model cannot multiply reliably in its head; with the ``python`` tool it only
+has to copy the numbers into a call and the result into its answer. The SFT traces show
+either way (``tools``):
+
+- with the tool: ``<think><tool_call>357*46</tool_call><tool_response>16422</tool_response>
+  </think><answer>16422</answer>`` (the response is the tool's output: the SFT loss skips it,
+  ``sft.mask_spans``, as the RL update masks what the tool returns);
+- without: the long multiplication written out, ``<think>357*6=2142,357*40=14280,
+  2142+14280=16422</think><answer>16422</answer>``, the best a policy without a tool can
+  learn from.
+"""
+
+from __future__ import annotations
+
+import random
+
+from grpo_core.demo.task import DemoSplits, split_rows
+from grpo_core.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
+
+
+def tool_trace(a: int, b: int) -> str:
+    call = f"{CALL_START}{a}*{b}{CALL_END}{RESULT_START}{a * b}{RESULT_END}"
+    return f"<think>{call}</think><answer>{a * b}</answer>"
+
+
+def worked_trace(a: int, b: int) -> str:
+    """Partial products by the digits of ``b``, units first, then their sum."""
+    digits = [int(d) * 10**i for i, d in enumerate(reversed(str(b)))]
+    parts = [a * d for d in digits]
+    steps = [f"{a}*{d}={p}" for d, p in zip(digits, parts, strict=True)]
+    steps.append("+".join(map(str, parts)) + f"={a * b}")
+    return f"<think>{','.join(steps)}</think><answer>{a * b}</answer>"
+
+
+def make_splits(
+    seed: int, n_sft: int, n_rl: int, n_dev: int, n_eval: int, *, tools: bool = True
+) -> DemoSplits:
+    """Disjoint splits of 3-digit x 2-digit products; SFT rows carry the tool-using trace
+    (``tools``) or the worked one."""
+    n_total = n_sft + n_rl + n_dev + n_eval
+    space = 900 * 90
+    if n_total > space:
+        raise ValueError(f"multiply data: asked for {n_total} problems, only {space} exist")
+    rng = random.Random(seed)
+    seen: set[tuple[int, int]] = set()
+    pairs: list[tuple[int, int]] = []
+    while len(pairs) < n_total:
+        p = (rng.randint(100, 999), rng.randint(10, 99))
+        if p not in seen:
+            seen.add(p)
+            pairs.append(p)
+    trace = tool_trace if tools else worked_trace
+    return split_rows(
+        pairs,
+        n_eval=n_eval,
+        n_dev=n_dev,
+        n_sft=n_sft,
+        row=lambda ab: {
+            "prompt": [{"role": "user", "content": f"{ab[0]}*{ab[1]}"}],
+            "answer": str(ab[0] * ab[1]),
+        },
+        completion=lambda ab: trace(*ab),
+    )

@@ -1,0 +1,81 @@
+"""Tool calls that fail or attack: the code reward's hostile-program suite runs as python
+tool calls (grpo_core/environments.py), under the isolation this machine picks. Each call
+ends as an observation (an error one where it failed), nothing reaches the host, nothing is
+left running, and the scorer's environment is intact."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from rewards.sandbox_programs import OUTSIDE, SECRET, hostile, sandbox_uids_alive
+
+from grpo_core.environments import PythonTool, ToolSpec
+from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+
+try:
+    detect_isolation()
+    ISOLATED = True
+except SandboxUnavailable:
+    ISOLATED = False
+
+pytestmark = pytest.mark.skipif(not ISOLATED, reason="no sandbox isolation on this machine")
+SPEC = ToolSpec(timeout_s=4.0, memory_mb=512, max_tool_output_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def calls():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.setblocking(False)
+    port = srv.getsockname()[1]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("GRPO_SANDBOX_SECRET", SECRET)
+    programs = hostile(port)
+    tool = PythonTool(SPEC)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:  # as the turn loop runs a turn's calls
+            observations = list(pool.map(tool.run, programs.values()))
+        alive = sandbox_uids_alive()
+        connections = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                srv.accept()[0].close()
+                connections += 1
+        yield dict(zip(programs, observations, strict=True)), alive, connections
+    finally:
+        mp.undo()
+        srv.close()
+        for p in OUTSIDE:
+            with contextlib.suppress(OSError):
+                os.remove(p)
+
+
+def test_every_hostile_call_is_an_observation_and_the_host_is_untouched(calls):
+    observations, alive, connections = calls
+    for name, obs in observations.items():
+        assert obs.text.startswith(SPEC.result_start) and obs.text.endswith(SPEC.result_end), name
+        assert obs.seconds < SPEC.timeout_s + 5, (name, obs.seconds)
+    for p in OUTSIDE:
+        assert not os.path.exists(p), f"a tool call escaped: {p}"
+    assert alive == [], "tool-call processes outlived the call"
+    assert connections == 0, "a tool call reached 127.0.0.1 of the host"
+    assert os.environ.get("GRPO_SANDBOX_SECRET") == SECRET
+    assert SECRET not in "".join(o.text for o in observations.values())
+
+
+def test_failures_say_why(calls):
+    observations, _, _ = calls
+    assert observations["infinite_loop"].error  # CPU limit or wall clock
+    assert observations["memory_bomb"].error
+
+
+def test_a_flood_of_output_is_cut_and_the_next_call_still_runs():
+    tool = PythonTool(SPEC)
+    flood = tool.run("print('7' * (50 << 20))")
+    assert len(flood.text) < 10_000 and "more characters" in flood.text
+    assert tool.run("print(6*7)").text == f"{SPEC.result_start}42{SPEC.result_end}"
