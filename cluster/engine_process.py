@@ -32,6 +32,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from cluster.engines_here import engine_for, sample_here
+
 log = logging.getLogger(__name__)
 
 
@@ -194,15 +196,15 @@ def serve(conn, threads: int, model_section: dict, parent: int | None = None) ->
     is gone."""
     import torch
 
-    from cluster.executor import Local
-    from cluster.process import load_policies_with
+    from cluster.state import load_policies_with
+    from grpo_core.engines import WarmEngines
     from grpo_core.model_config import ModelConfig
 
     _die_with_parent(parent or os.getppid())
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)
     load_policies_with(ModelConfig(**model_section))
-    local, held = Local(), {}
+    engines, held = WarmEngines(), {}
     while True:
         try:
             request = conn.recv()
@@ -211,11 +213,11 @@ def serve(conn, threads: int, model_section: dict, parent: int | None = None) ->
         if request is None:
             break
         try:
-            reply = _answer(local, held, request)
+            reply = _answer(engines, held, request)
         except Exception:
             reply = {"error": traceback.format_exc()}
         conn.send(reply)
-    local.close()
+    engines.close()
 
 
 def _die_with_parent(parent: int, every: float = 1.0) -> None:
@@ -234,7 +236,7 @@ def _die_with_parent(parent: int, every: float = 1.0) -> None:
     threading.Thread(target=watch, name="grpo-engine-parent-watch", daemon=True).start()
 
 
-def _answer(local, held: dict, req: dict) -> dict:
+def _answer(engines, held: dict, req: dict) -> dict:
     """One request: the model of ``source`` (built once), the snapshot's weights when they
     came with it, then the engine's samples."""
     from grpo_core.checkpoint import dtype_name, load_checkpoint
@@ -250,7 +252,7 @@ def _answer(local, held: dict, req: dict) -> dict:
         # here under an id of its own, it is synced to the snapshot's below
         saved = SimpleNamespace(checkpoint=Path(source), policy_id=f"{source} (as saved)",
                                 model=model, tokenizer=tokenizer)  # fmt: skip
-        local.engine(saved, request.engine, request.engine_options, check_sync=False)
+        engine_for(engines, saved, request.engine, request.engine_options, check_sync=False)
     if req["state"] is not None:
         model.load_state_dict(unpack(req["state"]), strict=True)
     model.eval()
@@ -258,7 +260,7 @@ def _answer(local, held: dict, req: dict) -> dict:
         checkpoint=Path(source), policy_id=req["policy_id"], model=model, tokenizer=tokenizer
     )
     start = time.monotonic()
-    samples = local.sample(policy, req["prompt_ids"], request)
+    samples = sample_here(engines, policy, req["prompt_ids"], request)
     end = time.monotonic()
     return {"error": None, "samples": samples, "start": start, "end": end,
             "dtype": dtype_name(model)}  # fmt: skip

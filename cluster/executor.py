@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
+from cluster.engines_here import engine_for, sample_here, with_lora_rank
 from grpo_core.engines import WarmEngines
 from grpo_core.turns import SampleRequest, TurnEngine
+
+__all__ = ["Local", "OnRay", "Sampler", "for_config", "trainer_threads", "with_lora_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -45,15 +48,6 @@ class Policy(Protocol):
     policy_id: str
     model: Any
     tokenizer: Any
-
-
-def with_lora_rank(options: Mapping | None, model) -> dict:
-    """A rollout engine's options for a run loading policies with ``model`` (its ``model``
-    section): ``lora_sync: adapter`` with ``model.lora`` gains the adapters' ``lora_rank``."""
-    out = dict(options or {})
-    if out.get("lora_sync") == "adapter" and model.lora is not None:
-        out["lora_rank"] = model.lora.r
-    return out
 
 
 class Local:
@@ -124,7 +118,7 @@ class Local:
 
     def _elsewhere(self):
         from cluster import engine_process
-        from cluster.process import STATE
+        from cluster.state import STATE
 
         if self._engine_process is None:
             self._engine_process = engine_process.EngineProcess(
@@ -146,35 +140,14 @@ class Local:
     def engine(self, policy: Policy, name: str, options: Mapping | None, *, check_sync: bool):
         """This process's engine ``name`` holding ``policy``'s weights (kept across calls);
         with ``lora_sync: adapter`` and ``model.lora``, one taking adapters of that rank."""
-        from cluster.process import STATE
-
-        options = with_lora_rank(options, STATE.model)
-        return self.engines.get(
-            name,
-            checkpoint=policy.checkpoint,
-            policy_id=policy.policy_id,
-            model=policy.model,
-            tokenizer=policy.tokenizer,
-            opts=options,
-            check_sync=check_sync,
-        )
+        return engine_for(self.engines, policy, name, options, check_sync=check_sync)
 
     def sample(self, policy: Policy, prompt_ids: list[list[int]], request: SampleRequest) -> list:
         """``request`` (grpo_core/turns.py) for each prompt, through the turn loop, with this
         process's engine; a held snapshot's with the engine process."""
         if policy.model is None:  # a snapshot (:meth:`hold`): the engine process samples it
             return self._elsewhere().sample(policy, prompt_ids, request)
-        train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
-        if request.engine_options.get("offload_optimizer") and train is not None:
-            from grpo_core import offload  # back before the next step: tasks/policy_cache.py
-
-            offload.offload(train.optimizer)  # before the engine wakes: room for its KV cache
-        eng = self.engine(
-            policy, request.engine, request.engine_options, check_sync=request.check_sync
-        )
-        samples = request.run(eng, prompt_ids, progress=True)
-        eng.sleep()  # frees accelerator memory for the update where the engine supports it
-        return samples
+        return sample_here(self.engines, policy, prompt_ids, request)
 
     def score(
         self,
@@ -246,7 +219,7 @@ class OnRay(Local):
         """On the replicas; ``policy.model`` None (``tasks/policy_files.py``): they load the
         weights from ``policy.checkpoint`` themselves."""
         from cluster import rollout_workers
-        from cluster.process import STATE
+        from cluster.state import STATE
 
         options = with_lora_rank(request.engine_options, STATE.model)
         return rollout_workers.sample(

@@ -27,28 +27,13 @@ holds (flows/lock.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cluster.config import ClusterConfig
+from cluster.state import STATE, ProcessState, load_policies_with
 from grpo_core.model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from cluster.executor import Local
-    from cluster.storage import RunStore
-
-
-@dataclass
-class ProcessState:
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    executor: Local | None = None
-    store: RunStore | None = None
-    store_env: str | None = None
-    model: ModelConfig = field(default_factory=ModelConfig)
-    trained_policy: Callable[[str], Any] | None = None
-
-
-STATE = ProcessState()
+__all__ = ["STATE", "ProcessState", "load_policies_with", "set_up"]
 
 
 def set_up(
@@ -68,16 +53,3 @@ def set_up(
     runtime.configure(cluster)
     load_policies_with(model, trained_policy)
     return STATE
-
-
-def load_policies_with(
-    model: ModelConfig, trained_policy: Callable[[str], Any] | None = None
-) -> None:
-    """How this process loads policies from now on: the run context's ``model`` section, or
-    the one a trainer rank is handed (cluster/trainer_group.py runs ranks in other
-    processes). Models already in memory that were loaded otherwise are not reused.
-    ``trained_policy(policy_id)``: the model in memory holding those weights, or None
-    (``tasks/policy_cache.py: holding``; kept when not given)."""
-    STATE.model = model
-    if trained_policy is not None:
-        STATE.trained_policy = trained_policy

@@ -19,7 +19,7 @@ one, started from the checkpoint being sampled, which redoes that shard with the
 (``retries`` times, default once); then :class:`RolloutWorkerError` names the worker and the
 call. Nothing is written here: the caller writes the gathered rows atomically.
 
-Ray is imported only inside the functions (``cluster.runtime.ensure_ray``)."""
+Ray is imported only inside the functions (``cluster.ray_session.ensure_ray``)."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def sample(
     first use, then synced to ``model``'s weights whenever ``policy_id`` changes; ``model``
     None: they load ``checkpoint`` themselves, ``config`` its config); a replica that dies
     is replaced and its shard redone ``retries`` times."""
-    from cluster.runtime import ensure_ray
+    from cluster.ray_session import ensure_ray
 
     ray = ensure_ray(cfg)
     engine, engine_options = request.engine, request.engine_options

@@ -56,7 +56,7 @@ def score_sharded(
 ):
     """``score_completions`` over ``cfg.scoring.workers`` Ray tasks; returns the gathered
     ``grpo_core.rewards.scoring.ScoreResult``."""
-    from cluster.runtime import ensure_ray
+    from cluster.ray_session import ensure_ray
     from grpo_core.rewards.scoring import ScoreResult, weighted_total
 
     ray = ensure_ray(cfg)

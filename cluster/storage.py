@@ -31,7 +31,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from cluster.process import STATE
+from cluster.state import STATE
 from grpo_core.io import atomic_path
 
 STORAGE_ENV = "GRPO_STORAGE"

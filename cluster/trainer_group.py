@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
-from cluster.runtime import ensure_ray
+from cluster.ray_session import ensure_ray
 
 ROLE = "trainer"
 PLACEMENT_TIMEOUT_S = 300.0  # how long the actors' resources may take to appear (autoscaling)

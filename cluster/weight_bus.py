@@ -179,7 +179,7 @@ def receive(
 def _trained(policy_id: str):
     """The model this trainer rank holds with the weights ``policy_id``, else None (the
     policy cache registers where its policies are: cluster/process.py)."""
-    from cluster.process import STATE
+    from cluster.state import STATE
 
     return STATE.trained_policy(policy_id) if STATE.trained_policy is not None else None
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 RUN_MARKER = ".grpo-run"  # in a run folder's root (tasks/workspace.py writes it)
+RUN_PATH = "$run_path"  # a recorded path relative to its run folder: {"$run_path": "rel"}
 INFO_PATHS = ("scored", "lora_base")  # checkpoint_info.json entries that name files
 RELATIVE_TO = "paths_relative_to"  # the entry that says what the relative ones are relative to
 
@@ -53,3 +55,36 @@ def info_path(checkpoint: str | Path, value: str) -> str:
         return value
     run = find_run_folder(checkpoint)
     return os.path.normpath(os.path.join(run, value)) if run else value
+
+
+def run_root(path: str | Path) -> str:
+    """The run folder a stage output belongs to: the nearest folder above ``path`` holding
+    the marker ``Workspace.create`` writes (``.grpo-run``), else ``path``'s own folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    return find_run_folder(folder) or folder
+
+
+def portable(value: Any, root: str) -> Any:
+    """``value`` (a recorded result) with every absolute path inside the run folder ``root``
+    as ``{"$run_path": <relative path>}``: a moved or copied run folder resolves them to its
+    own files (:func:`localised`). Paths outside it (a user's data file) stay as they are."""
+    if isinstance(value, dict):
+        return {k: portable(v, root) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v, root) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        norm = os.path.normpath(value)
+        if norm == root or norm.startswith(root + os.sep):
+            return {RUN_PATH: os.path.relpath(norm, root)}
+    return value
+
+
+def localised(value: Any, root: str) -> Any:
+    """The inverse of :func:`portable`, against this run folder."""
+    if isinstance(value, dict):
+        if len(value) == 1 and isinstance(value.get(RUN_PATH), str):
+            return os.path.normpath(os.path.join(root, value[RUN_PATH]))
+        return {k: localised(v, root) for k, v in value.items()}
+    if isinstance(value, list):
+        return [localised(v, root) for v in value]
+    return value

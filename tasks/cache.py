@@ -32,10 +32,9 @@ from typing import Any
 from cluster import storage
 from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256
 from grpo_core.io import atomic_path, write_json
-from grpo_core.run_folder import find_run_folder
+from grpo_core.run_folder import localised, portable, run_root
 
 _PACKAGES = ("grpo_core", "tasks", "cluster")
-_RUN_PATH = "$run_path"
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
 STATS = {"stamp_hits": 0, "hash_checks": 0}
 
@@ -117,39 +116,6 @@ def fingerprint(path: str | Path) -> dict:
     if stamp is None:
         raise FileNotFoundError(f"{path}: the stage did not write this output")
     return {**stamp, "sha256": output_sha256(path)}
-
-
-def run_root(path: str | Path) -> str:
-    """The run folder a stage output belongs to: the nearest folder above ``path`` holding
-    the marker ``Workspace.create`` writes (``.grpo-run``), else ``path``'s own folder."""
-    folder = os.path.dirname(os.path.abspath(path))
-    return find_run_folder(folder) or folder
-
-
-def portable(value: Any, root: str) -> Any:
-    """``value`` (a recorded result) with every absolute path inside the run folder ``root``
-    as ``{"$run_path": <relative path>}``: a moved or copied run folder resolves them to its
-    own files (:func:`localised`). Paths outside it (a user's data file) stay as they are."""
-    if isinstance(value, dict):
-        return {k: portable(v, root) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [portable(v, root) for v in value]
-    if isinstance(value, str) and os.path.isabs(value):
-        norm = os.path.normpath(value)
-        if norm == root or norm.startswith(root + os.sep):
-            return {_RUN_PATH: os.path.relpath(norm, root)}
-    return value
-
-
-def localised(value: Any, root: str) -> Any:
-    """The inverse of :func:`portable`, against this run folder."""
-    if isinstance(value, dict):
-        if len(value) == 1 and isinstance(value.get(_RUN_PATH), str):
-            return os.path.normpath(os.path.join(root, value[_RUN_PATH]))
-        return {k: localised(v, root) for k, v in value.items()}
-    if isinstance(value, list):
-        return [localised(v, root) for v in value]
-    return value
 
 
 def _name(path: str | Path, manifest: Path) -> str:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from grpo_core.io import write_json
+from grpo_core.run_folder import localised, portable, run_root
 
 REF_NAME = "policy.json"
 KIND = "grpo-policy-ref"
@@ -61,15 +62,11 @@ def saved_at(path: str | Path) -> Path | None:
 
 
 def write_ref(path: str | Path, ref: PolicyRef) -> Path:
-    from tasks.cache import portable, run_root
-
     body = portable({"kind": KIND, **asdict(ref)}, run_root(path))
     return write_json(body, path)
 
 
 def read_ref(path: str | Path) -> PolicyRef:
-    from tasks.cache import localised, run_root
-
     body = localised(json.loads(Path(path).read_text()), run_root(path))
     if not isinstance(body, dict) or body.get("kind") != KIND:
         raise ValueError(f"{path}: not a policy record (expected kind {KIND!r})")
