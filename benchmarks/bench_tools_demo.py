@@ -6,7 +6,8 @@ cold start), wall time, and the tool calls' share of the RL stages' time.
         [--set KEY=VALUE ...]
 
 "with" is the preset; "without" the same recipe with the SFT traces worked out by hand and no
-tool at any stage (``data.multiply.tools=false``, ``rollout.tools=[]``). Each run goes to
+tool at any stage (``data.multiply.tools=false``, ``rollout.tools=[]``; rejection sampling
+then requires no reward: nothing is right to keep). Each run goes to
 ``OUT/runs/<arm>-seedS`` (MLflow at ``OUT/mlflow.db``), its printed summary to
 ``OUT/<arm>-seedS.txt``, its measurements to ``OUT/<arm>-seedS.json``; a run whose JSON is
 there is not run again (``--report`` only prints the table). Run it on a quiet machine: the
@@ -28,7 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import parse_summary  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo-tools.yaml"
-ARMS = {"with": [], "without": ["data.multiply.tools=false", "rollout.tools=[]"]}
+# without the tool no completion is right after rl_1: rejection sampling keeps the
+# best-formatted ones instead of stopping the run
+ARMS = {
+    "with": [],
+    "without": ["data.multiply.tools=false", "rollout.tools=[]", "rejection_sampling.require=[]"],
+}
 
 
 def tool_seconds(run: Path, stage: str) -> tuple[float, int]:

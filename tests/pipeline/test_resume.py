@@ -63,7 +63,9 @@ REPLAYED_FROM = r"rl_{}/iter_0002/checkpoint: optimizer state at step 6 from dis
 class Run:
     """One `grpo run` process; ``kill_on``: SIGKILL it when a line of its output matches."""
 
-    def __init__(self, code: Path, cwd: Path, kill_on: str | None = None):
+    def __init__(
+        self, code: Path, cwd: Path, kill_on: str | None = None, args: list[str] | None = None
+    ):
         cwd.mkdir(parents=True, exist_ok=True)
         env = {
             k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME"))
@@ -75,7 +77,7 @@ class Run:
             **{MARKER: str(cwd)},
         )
         cmd = [sys.executable, "-m", "flows.cli", "run"]
-        cmd += [a for o in OVERRIDES for a in ("--set", o)]
+        cmd += args if args is not None else [a for o in OVERRIDES for a in ("--set", o)]
         cmd += ["--set", f"output_dir={cwd / 'runs'}", "--set", "run_name=r"]
         self.cwd, self.lines, self.killed, self.leftovers = cwd, [], False, []
         self.proc = subprocess.Popen(
@@ -214,3 +216,64 @@ def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
         f"kill/rerun test: {time.perf_counter() - t0:.0f}s; "
         f"{len(leftovers)} processes outlived the 4 killed runs: {leftovers}"
     )
+
+
+TOOL_OVERRIDES = [
+    "data.multiply={n_sft: 64, n_rl: 128, n_dev: 0, n_eval: 8, tools: true}",
+    "model.demo={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
+    "intermediate_size: 64, vocabulary: tools}",
+    "sft.max_steps=20",
+    "sft.batch_size=16",
+    "rl.iterations=4",
+    "rl.prompts_per_iteration=4",
+    "rl.num_generations=4",
+    "rl.steps_per_generation=2",
+    "rl.eval_every=4",
+    "rl.save_steps=2",
+    "rejection_sampling.num_prompts=4",
+    "rejection_sampling.require=[]",
+    "re_sft.max_steps=2",
+    "rl_2={iterations: 1}",
+    "torch_threads=1",
+]
+
+
+@pytest.mark.slow
+def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
+    """The tool demo (configs/demo-tools.yaml, tiny) killed mid rl_1, after iteration 3's
+    tool rollouts and before its update (iteration 2's state was not kept: save points 1 and
+    3): the rerun reuses the tool rollouts on disk, replays iteration 2's update from
+    iteration 1's kept state and ends with the uninterrupted run's weights, bit for bit."""
+    from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+
+    try:
+        detect_isolation()
+    except SandboxUnavailable:
+        pytest.skip("no sandbox isolation on this machine")
+    code = tmp_path / "code"
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    args = ["--config", str(code / "configs" / "demo-tools.yaml")]
+    args += [a for o in TOOL_OVERRIDES for a in ("--set", o)]
+    try:
+        reference = Run(code, tmp_path / "uninterrupted", args=args)
+        ref_out = reference.wait(timeout=300)
+        assert reference.proc.returncode == 0, ref_out[-4000:]
+        run = Run(
+            code, tmp_path / "killed", kill_on=r"rl_1 iteration 3: \d+ completions", args=args
+        )
+        out = run.wait(timeout=300)
+        assert run.killed, f"never saw the rollout of iteration 3:\n{out[-4000:]}"
+        rollouts = tmp_path / "killed/runs/r/rl_1/iter_0003/rollouts.parquet"
+        stamp = rollouts.stat().st_mtime_ns
+        final = Run(code, tmp_path / "killed", args=args)
+        out = final.wait(timeout=300)
+        assert final.proc.returncode == 0, out[-4000:]
+    finally:
+        for cwd in (tmp_path / "uninterrupted", tmp_path / "killed"):
+            _kill_leftovers(cwd)
+    assert rollouts.stat().st_mtime_ns == stamp  # the tool rollouts were not sampled again
+    assert re.search(r"rl_1 iteration 2 replayed from", out), out[-4000:]
+    killed, straight = tmp_path / "killed/runs/r", tmp_path / "uninterrupted/runs/r"
+    assert _weights(killed) == _weights(straight)
+    assert _accuracy_table(out) == _accuracy_table(ref_out)
