@@ -188,3 +188,34 @@ def test_an_environment_that_raises_is_recorded_not_fatal():
     tool = got.turns[1]
     assert tool["role"] == "tool" and tool["error"] == "RuntimeError: the environment broke"
     assert got.turns[-1]["role"] == "assistant" and got.finish_reason == "stop"
+
+
+def test_a_template_that_rewrites_history_cannot_change_earlier_ids():
+    """A chat template that drops earlier reasoning (as R1-style templates do) would render
+    the conversation so far differently from what the model produced; the turn loop never
+    re-renders: turn 2 continues from the exact ids of the prompt and turn 1."""
+    tok = build_tokenizer("tools")
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}"
+        "{% else %}<|assistant|>{{ m['content'].split('</think>')[-1] }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    turn1 = "<think><tool_call>12*3</tool_call>"
+    engine = ScriptedEngine([[turn1], ["</think><answer>36</answer><|eos|>"]])
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "12*3"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = ids(prompt)
+    (got,) = run_turns(engine, [prompt_ids], SamplingParams(max_new_tokens=40), desc="t",
+                       progress=False, tools=SPEC)  # fmt: skip
+    (context,), _ = engine.calls[1]
+    obs = "<tool_response>36</tool_response>"
+    assert context == prompt_ids + ids(turn1) + ids(obs)
+    # the conversation re-rendered by that template would have lost the reasoning
+    episode = tok.decode(got.completion_ids, skip_special_tokens=True)
+    rerendered = tok.apply_chat_template(
+        [{"role": "user", "content": "12*3"}, {"role": "assistant", "content": episode}],
+        tokenize=False,
+    )
+    assert ids(rerendered)[: len(context)] != context
+    assert got.completion_ids[: len(context) - len(prompt_ids)] == context[len(prompt_ids) :]
