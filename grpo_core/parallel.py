@@ -57,7 +57,7 @@ class LocalParallel:
         return combine(window)
 
     def checkpoint_state(self, model: torch.nn.Module, train) -> tuple[dict, dict | None]:
-        """What a checkpoint saves: ``train``'s (a ``grpo_core.trainer.TrainState``) state
+        """What a checkpoint saves: ``train``'s (a ``grpo_core.train_state.TrainState``) state
         dict and the weights (``None``: the model's own state dict)."""
         return train.state_dict(), None
 

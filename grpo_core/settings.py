@@ -71,7 +71,7 @@ class Optimization:
 
     def build(self, model, *, total_steps: int, section: str):
         """A fresh ``(optimizer, scheduler)`` at step 0 over ``total_steps``
-        (:func:`grpo_core.trainer.build_optimization`)."""
+        (:func:`grpo_core.optim.build_optimization`)."""
         from grpo_core.optim import build_optimization  # torch: only when training
 
         return build_optimization(
