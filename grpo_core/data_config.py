@@ -26,6 +26,7 @@ class WordProblemsConfig(Section):
     n_dev: int = Field(0, ge=0, description="SFT early-stop split, disjoint from eval")
     n_eval: int = Field(100, ge=1)
     max_number: int = Field(20, ge=5, description="largest number in a problem")
+    tools: bool = Field(False, description="SFT traces compute with the python tool")
 
 
 class MultiplyConfig(Section):

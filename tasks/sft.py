@@ -43,6 +43,7 @@ def train_stage(
     on_resume=None,
     resume_key: str = "",
     data_parallel=None,
+    tools: dict | None = None,
 ) -> SFTOutcome:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
 
@@ -74,7 +75,7 @@ def train_stage(
             rows,
             cfg.training,
             seed=seed,
-            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage),
+            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage, tools),
             on_step=on_step,
             desc=stage,
             resume_dir=Workspace.resume_checkpoint(out_checkpoint),
@@ -146,20 +147,28 @@ def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
     return dataclasses.replace(out, history=None)
 
 
-def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage: str):
+def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage: str, tools=None):
     """Greedy accuracy of the model in training on ``dev_rows`` (early stopping); None
-    without dev rows."""
+    without dev rows. ``tools`` (``rollout.tools``' settings): the episodes sample with the
+    tool through the turn loop, as the held-out evals do."""
     if not dev_rows:
         return None
     from grpo_core.evaluation import evaluate
 
     def dev_eval() -> float:
+        engine = None
+        if tools:
+            from grpo_core.engines.hf import HFEngine
+            from grpo_core.turns import TurnEngine
+
+            engine = TurnEngine(HFEngine(model=w.model, tokenizer=w.tokenizer), tools)
         return evaluate(
             w.model,
             w.tokenizer,
             dev_rows,
             max_new_tokens=max_completion_length,
             desc=f"{stage} dev",
+            engine=engine,
         ).accuracy
 
     return dev_eval
@@ -178,10 +187,15 @@ def sft_stage(
     max_completion_length: int = 48,
     seed: int = 0,
     force: bool = False,
+    tools: dict | None = None,
 ) -> SFTOutcome:
+    """``tools``: ``rollout.tools``' settings, for a dev eval (``target_accuracy``) of a
+    tool-using policy."""
     # checkpoint_every changes where training can resume from, not its result
     knobs = cfg.model_dump(exclude={"checkpoint_every"})
     settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}
+    if tools:  # the dev eval's environment decides where early stopping stops
+        settings["tools"] = tools
     with stage_run(
         tracking, stage, {"init_checkpoint": init_checkpoint}, config=settings
     ) as run_id:
@@ -211,6 +225,7 @@ def sft_stage(
                 dev_path=dev_path,
                 max_completion_length=max_completion_length,
                 seed=seed,
+                tools=tools,
                 on_step=log_step,
                 on_resume=log_restored,
                 resume_key=key,

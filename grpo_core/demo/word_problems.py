@@ -13,6 +13,7 @@ import random
 from collections.abc import Callable
 
 from grpo_core.demo.task import DemoSplits, split_rows
+from grpo_core.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
 
 NAMES = [
     ("Mia", "She"),
@@ -77,6 +78,22 @@ def completion(trace: str, answer: int) -> str:
     return f"<think>{trace}</think><answer>{answer}</answer>"
 
 
+def expression(trace: str) -> str:
+    """The trace's steps as one Python expression: ``12+5=17, 17-7=10`` -> ``(12+5)-7``
+    (``/`` as ``//``: every answer is an integer)."""
+    steps = [s.split("=") for s in trace.split(", ")]
+    expr, value = steps[0][0], steps[0][1]
+    for lhs, result in steps[1:]:
+        expr, value = lhs.replace(value, f"({expr})", 1), result
+    return expr.replace("/", "//")
+
+
+def tool_completion(trace: str, answer: int) -> str:
+    """The completion that computes with the python tool (rollout.tools, docs/tools.md)."""
+    call = f"{CALL_START}{expression(trace)}{CALL_END}{RESULT_START}{answer}{RESULT_END}"
+    return f"<think>{call}</think><answer>{answer}</answer>"
+
+
 def make_splits(
     seed: int,
     n_sft: int = 400,
@@ -84,9 +101,10 @@ def make_splits(
     n_dev: int = 0,
     n_eval: int = 100,
     max_number: int = 20,
+    tools: bool = False,
 ) -> DemoSplits:
     """Disjoint splits of distinct word problems; rows carry prompt (one user message), answer
-    (text) and, in the SFT split, completion."""
+    (text) and, in the SFT split, completion (``tools``: one that calls the python tool)."""
     rng = random.Random(seed)
     n_total = n_sft + n_rl + n_dev + n_eval
     seen: set[str] = set()
@@ -114,7 +132,7 @@ def make_splits(
         n_dev=n_dev,
         n_sft=n_sft,
         row=lambda p: {"prompt": [{"role": "user", "content": p[0]}], "answer": str(p[2])},
-        completion=lambda p: completion(p[1], p[2]),
+        completion=lambda p: (tool_completion if tools else completion)(p[1], p[2]),
     )
 
 

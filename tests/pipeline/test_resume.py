@@ -224,6 +224,7 @@ TOOL_OVERRIDES = [
     "intermediate_size: 64, vocabulary: tools}",
     "sft.max_steps=20",
     "sft.batch_size=16",
+    "sft.target_accuracy=null",
     "rl.iterations=4",
     "rl.prompts_per_iteration=4",
     "rl.num_generations=4",

@@ -23,6 +23,7 @@ TINY = [
     "intermediate_size: 64, vocabulary: tools}",
     "sft.max_steps=20",
     "sft.batch_size=16",
+    "sft.target_accuracy=null",
     "rl.iterations=2",
     "rl.prompts_per_iteration=4",
     "rl.num_generations=4",
