@@ -1,0 +1,49 @@
+"""Tool-using SFT traces: the tool's output is context, not a target (``sft.mask_spans``),
+and the generated tasks' tool traces call code that gives their answer."""
+
+from __future__ import annotations
+
+from grpo_core.demo import multiply, word_problems
+from grpo_core.demo.model import build_tokenizer
+from grpo_core.environments import ToolSpec, called_code
+from grpo_core.sft import collate, encode_examples, split_spans
+
+SPANS = (("<tool_response>", "</tool_response>"),)
+
+
+def test_spans_split_the_completion_and_an_open_span_runs_to_the_end():
+    assert split_spans("a<tool_response>5</tool_response>b", SPANS) == [
+        ("a", 1),
+        ("<tool_response>5</tool_response>", 0),
+        ("b", 1),
+    ]
+    assert split_spans("x<tool_response>5", SPANS) == [("x", 1), ("<tool_response>5", 0)]
+    assert split_spans("plain", SPANS) == [("plain", 1)]
+
+
+def test_the_tool_output_gets_no_sft_loss_and_the_rest_does():
+    tok = build_tokenizer("tools")
+    row = {
+        "prompt": [{"role": "user", "content": "12*3"}],
+        "completion": multiply.tool_trace(12, 3),
+    }
+    ((prompt, completion),) = encode_examples(tok, [row], SPANS)
+    plain = encode_examples(tok, [row])[0][1]
+    assert list(completion) == plain  # the same tokens (markers are single tokens here)
+    masked = [t for t, m in zip(completion, completion.mask, strict=True) if m == 0]
+    assert tok.decode(masked) == "<tool_response>36</tool_response>"
+    _, _, labels = collate([(prompt, completion)], tok.pad_token_id)
+    target = labels[0, len(prompt) :].tolist()
+    assert [t for t, m in zip(target, completion.mask, strict=True) if m == 0] == [-100] * 4
+    assert all(t != -100 for t, m in zip(target, completion.mask, strict=True) if m == 1)
+
+
+def test_generated_tool_traces_call_code_that_gives_the_answer():
+    spec = ToolSpec()
+    rows = multiply.make_splits(0, n_sft=20, n_rl=1, n_dev=0, n_eval=1).sft
+    rows += word_problems.make_splits(0, n_sft=60, n_rl=1, n_eval=1, tools=True).sft
+    for r in rows:
+        turn = r["completion"].split(spec.result_start)[0]
+        code = called_code(turn, spec)
+        assert code is not None, r["completion"]
+        assert str(eval(code, {"__builtins__": {}})) == r["answer"], (code, r["answer"])
