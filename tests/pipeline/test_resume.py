@@ -241,10 +241,11 @@ TOOL_OVERRIDES = [
 
 @pytest.mark.slow
 def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    """The tool demo (configs/demo-tools.yaml, tiny) killed mid rl_1, after iteration 3's
-    tool rollouts and before its update (iteration 2's state was not kept: save points 1 and
-    3): the rerun reuses the tool rollouts on disk, replays iteration 2's update from
-    iteration 1's kept state and ends with the uninterrupted run's weights, bit for bit."""
+    """The tool demo (configs/demo-tools.yaml, tiny) killed mid rl_1, once iteration 3's
+    tool rollouts are recorded and being scored, before its update (iteration 2's state was
+    not kept: save points 1 and 3): the rerun reuses the tool rollouts on disk, replays
+    iteration 2's update from iteration 1's kept state and ends with the uninterrupted run's
+    weights, bit for bit."""
     from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
 
     try:
@@ -260,11 +261,9 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
         reference = Run(code, tmp_path / "uninterrupted", args=args)
         ref_out = reference.wait(timeout=300)
         assert reference.proc.returncode == 0, ref_out[-4000:]
-        run = Run(
-            code, tmp_path / "killed", kill_on=r"rl_1 iteration 3: \d+ completions", args=args
-        )
+        run = Run(code, tmp_path / "killed", kill_on=r"rl_1 iteration 3: reward", args=args)
         out = run.wait(timeout=300)
-        assert run.killed, f"never saw the rollout of iteration 3:\n{out[-4000:]}"
+        assert run.killed, f"never saw the scores of iteration 3:\n{out[-4000:]}"
         rollouts = tmp_path / "killed/runs/r/rl_1/iter_0003/rollouts.parquet"
         stamp = rollouts.stat().st_mtime_ns
         final = Run(code, tmp_path / "killed", args=args)
