@@ -139,8 +139,13 @@ def score(
     table = scored_table(
         rollouts, result.per_function, result.errors, result.total, adv.tolist(), metadata=metadata
     )
-    total = torch.tensor([math.nan if v is None else v for v in result.total], dtype=torch.float64)
-    metrics = {**result.metrics(), **group_stats(total, torch.tensor(gids), informative)}
+    # rewards and group ids are host data (the reward functions' numbers): on the CPU, as
+    # the advantages are computed, whatever device the policy is on
+    host = torch.device("cpu")
+    total = [math.nan if v is None else v for v in result.total]
+    total = torch.tensor(total, dtype=torch.float64, device=host)
+    gid_t = torch.tensor(gids, device=host)
+    metrics = {**result.metrics(), **group_stats(total, gid_t, informative)}
     n_err = sum(e is not None for errs in result.errors.values() for e in errs)
     return Scored(table, metrics, n_err)
 
@@ -209,7 +214,7 @@ def advantages(result, group_ids: list[int], n_rows: int, scoring: Scoring):
     from grpo_core import advantages as estimators
     from grpo_core.rewards.scoring import reward_matrix
 
-    gids = torch.tensor(group_ids)
+    gids = torch.tensor(group_ids, device="cpu")  # host data, as the reward matrix
     matrix, w = reward_matrix(result.per_function, result.weights, n_rows)  # [N, K]
     aggregation = scoring.multi_objective_aggregation
     adv = estimators.compute_multi(

@@ -43,7 +43,8 @@ class ScoredRows:
         metrics: dict[str, float] = {}
         if dynamic_sampling:
             informative = dynamic_sampling_mask(
-                torch.tensor(columns["advantage"], dtype=torch.float64), torch.tensor(gids)
+                torch.tensor(columns["advantage"], dtype=torch.float64, device="cpu"),
+                torch.tensor(gids, device="cpu"),
             )
             keep = informative.nonzero().squeeze(-1).tolist()
             metrics["dynamic_sampling/kept_frac"] = len(keep) / max(1, table.num_rows)

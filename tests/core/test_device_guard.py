@@ -26,10 +26,7 @@ FACTORIES = {
 HOST_DATA = "host data read from a file or a table; the update moves it in UpdateBatch.to"
 ALLOWED = {
     "grpo_core/batch.py::build_batch": HOST_DATA,
-    "grpo_core/scored_batch.py::_of": HOST_DATA,
     "grpo_core/rewards/scoring.py::reward_matrix": "rewards of host-side reward functions",
-    "grpo_core/iteration.py::score": HOST_DATA,
-    "grpo_core/iteration.py::advantages": HOST_DATA,
     "grpo_core/sft.py::collate": "host batch; the SFT loop moves it with .to(model.device)",
     "grpo_core/losses.py::micro_batch_counts": "only for an empty list, which has no device",
     "grpo_core/distributed.py::fill_missing_gradients": "flags built on the host, moved to "
