@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests_support import TINY_OVERRIDES
+from tests_support import TINY_OVERRIDES, TOOL_TINY_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
@@ -218,24 +218,15 @@ def test_run_killed_at_four_points_ends_like_an_uninterrupted_run(tmp_path):
     )
 
 
-TOOL_OVERRIDES = [
-    "data.multiply={n_sft: 64, n_rl: 128, n_dev: 0, n_eval: 8, tools: true}",
-    "model.demo={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
-    "intermediate_size: 64, vocabulary: tools}",
-    "sft.max_steps=20",
-    "sft.batch_size=16",
-    "sft.target_accuracy=null",
-    "rl.iterations=4",
-    "rl.prompts_per_iteration=4",
-    "rl.num_generations=4",
-    "rl.steps_per_generation=2",
-    "rl.eval_every=4",
-    "rl.save_steps=2",
-    "rejection_sampling.num_prompts=4",
-    "rejection_sampling.require=[]",
-    "re_sft.max_steps=2",
-    "rl_2={iterations: 1}",
-    "torch_threads=1",
+# the tool demo's tiny budget with four RL iterations and save points at 1 and 3
+TOOL_RESUME = {
+    "rl.iterations": "4",
+    "rl.eval_every": "4",
+    "rl.save_steps": "2",
+    "torch_threads": "1",
+}
+TOOL_OVERRIDES = [o for o in TOOL_TINY_OVERRIDES if o.split("=", 1)[0] not in TOOL_RESUME] + [
+    f"{k}={v}" for k, v in TOOL_RESUME.items()
 ]
 
 

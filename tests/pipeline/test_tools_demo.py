@@ -11,29 +11,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
+from tests_support import TOOL_TINY_OVERRIDES as TINY
 
 from flows.config import load_config
 from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
 from tasks.score import score_file
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-tools.yaml"
-TINY = [
-    "data.multiply={n_sft: 64, n_rl: 128, n_dev: 0, n_eval: 8, tools: true}",
-    "model.demo={hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, "
-    "intermediate_size: 64, vocabulary: tools}",
-    "sft.max_steps=20",
-    "sft.batch_size=16",
-    "sft.target_accuracy=null",
-    "rl.iterations=2",
-    "rl.prompts_per_iteration=4",
-    "rl.num_generations=4",
-    "rl.steps_per_generation=2",
-    "rl.eval_every=1",
-    "rejection_sampling.num_prompts=4",
-    "rejection_sampling.require=[]",
-    "re_sft.max_steps=2",
-    "rl_2={iterations: 1}",
-]
 
 try:
     detect_isolation()
