@@ -56,15 +56,15 @@ def peak_rss_mib() -> float:
 def heldout_accuracy(checkpoint_or_model, tokenizer, cfg, eval_path: str) -> dict:
     """Greedy pass@1 of the final weights on the run's eval rows (the first
     ``eval.num_examples`` when set), with the pipeline's own evaluator."""
-    from grpo_core.data import load_rows
-    from grpo_core.evaluation import evaluate
+    from grpo_core.algorithm.evaluation import evaluate
+    from grpo_core.contracts.prompts import load_rows
 
     rows = load_rows(eval_path)
     if cfg.eval.num_examples:
         rows = rows[: cfg.eval.num_examples]
     model = checkpoint_or_model
     if isinstance(model, (str, Path)):
-        from grpo_core.checkpoint import load_checkpoint
+        from grpo_core.training.checkpoint import load_checkpoint
 
         model, tokenizer = load_checkpoint(model)
     model.eval()

@@ -35,7 +35,7 @@ TIMING_KEYS = {
 
 
 def _tracking(cfg, ws_root: Path, run_name: str):
-    from tasks.tracking import Tracking
+    from tasks.tracking.stages import Tracking
 
     uri = f"sqlite:///{ws_root.resolve() / 'mlflow.db'}"
     tracking = Tracking.open(uri, cfg.tracking.experiment)
@@ -86,12 +86,12 @@ def run_rl(args) -> None:
     from cluster import process
     from flows.recipe import STAGES, RecipeRun, rl_inputs
     from flows.rl import rl_stage
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
     from tasks.workspace import Workspace
 
-    # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/policy_cache.py)
+    # in `grpo run` the cold-start policy is in memory when rl_1 starts (tasks/policies/memo.py)
     process.load_policies_with(cfg.model)
-    policy_cache.get(start["checkpoint"])
+    policy_memo.get(start["checkpoint"])
 
     run_dir = Path(args.run_dir)
     ws = Workspace.create(run_dir, "ours")  # a fresh run folder: nothing cached

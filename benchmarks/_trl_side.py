@@ -57,8 +57,8 @@ class Clock:
 def training_prompts(cfg, start: dict, tokenizer) -> list[dict]:
     """The rows rl_1 would draw, iteration after iteration, with ``prompt`` as the text our
     rollout tokenizes (the chat template applied, generation prompt appended)."""
-    from grpo_core.data import load_rows
-    from grpo_core.text import encode_prompt, prompt_text
+    from grpo_core.contracts.prompts import load_rows
+    from grpo_core.contracts.text import encode_prompt, prompt_text
     from tasks.rollout import select_prompts
 
     rows = load_rows(start["rl"])
@@ -199,7 +199,7 @@ def main() -> None:
     from trl import GRPOTrainer
 
     from grpo_core import rewards
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint
 
     model, tokenizer = load_checkpoint(start["checkpoint"])
     rows = training_prompts(cfg, start, tokenizer)

@@ -47,11 +47,11 @@ PARTS = {
         ("flows/rl_log.py", "block_end"),
         ("flows/rl_log.py", "finish"),
         ("flows/rl_report.py", "start"),
-        ("tasks/tracking.py", "flush_every"),
+        ("tasks/tracking/stages.py", "flush_every"),
     ],
-    "copies": [("grpo_core/checkpoint_writer.py", "submit")],
-    "hashes": [("grpo_core/weights_id.py", "state_dict_id")],
-    "writer drain": [("grpo_core/checkpoint_writer.py", "drain")],
+    "copies": [("grpo_core/training/checkpoint_writer.py", "submit")],
+    "hashes": [("grpo_core/training/weights_id.py", "state_dict_id")],
+    "writer drain": [("grpo_core/training/checkpoint_writer.py", "drain")],
     "pipeline": [("_our_side.py", "pipeline")],
 }
 

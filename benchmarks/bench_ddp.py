@@ -1,7 +1,7 @@
 """Data-parallel GRPO update: wall time of one update (one generation batch of the demo
 preset: 32 prompts x 8 completions, 4 optimizer steps) on the demo model, in one process
 without ``torch.distributed``, on 1 and 2 gloo ranks with replicas (ddp), and on 2 ranks with
-the decoder layers sharded (fsdp, grpo_core/fsdp.py), each process with one thread.
+the decoder layers sharded (fsdp, grpo_core/training/fsdp.py), each process with one thread.
 
     python benchmarks/bench_ddp.py [--repeats 3] [--set rl.KEY=VALUE ...]
 
@@ -27,11 +27,11 @@ sys.path.insert(0, str(ROOT))  # run from a checkout
 
 import torch  # noqa: E402
 
-from grpo_core.distributed import spawn  # noqa: E402
+from grpo_core.training.distributed import spawn  # noqa: E402
 
 
 def _batch(rl, pad_id: int, vocab: int, seed: int = 0):
-    from grpo_core.update import build_batch
+    from grpo_core.algorithm.update import build_batch
 
     g = torch.Generator().manual_seed(seed)
     n = rl.prompts_per_iteration * rl.num_generations
@@ -70,14 +70,14 @@ def _time(
     strategy: str = "ddp",
 ) -> tuple[list[float], float]:
     from flows.config import load_config
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.update import grpo_update
+    from grpo_core.algorithm.update import grpo_update
+    from grpo_core.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
     rl = load_config(None, overrides).rl
     model, tok = load_checkpoint(checkpoint)
     if strategy == "fsdp":
-        from grpo_core.fsdp import ShardedDataParallel
+        from grpo_core.training.fsdp import ShardedDataParallel
 
         dp = ShardedDataParallel(dp.group)
         dp.wrap(model)

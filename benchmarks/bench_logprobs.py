@@ -32,7 +32,7 @@ def child(vocab: int, batch: int, seq: int, method: str, backward: bool, repeats
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
     import torch
 
-    from grpo_core.logprobs import naive_token_logprobs, token_logprobs
+    from grpo_core.logprobs.tokens import naive_token_logprobs, token_logprobs
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -42,10 +42,10 @@ def child(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import grpo_core.model_logprobs as ml
-    from grpo_core.loss_config import LossConfig, UpdateConfig
-    from grpo_core.memory import PeakMemory
-    from grpo_core.update import build_batch, grpo_update
+    import grpo_core.logprobs.model as ml
+    from grpo_core.algorithm.update import build_batch, grpo_update
+    from grpo_core.config.loss import LossConfig, UpdateConfig
+    from grpo_core.training.memory import PeakMemory
 
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(0)

@@ -34,11 +34,11 @@ def child(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from grpo_core import lora
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.config import LoraConfig, RLConfig
-    from grpo_core.generation import SamplingParams, generate
-    from grpo_core.update import build_batch, grpo_update
+    from grpo_core.algorithm.update import build_batch, grpo_update
+    from grpo_core.config.stages import LoraConfig, RLConfig
+    from grpo_core.engines.generation import SamplingParams, generate
+    from grpo_core.training import lora
+    from grpo_core.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def child(args: argparse.Namespace) -> dict:
 def model_dir(given: str | None) -> Path:
     if given:
         return Path(given)
-    from grpo_core.gguf import cache_dir
+    from grpo_core.training.gguf import cache_dir
 
     out = cache_dir() / "models" / "smollm2-135m-instruct-0.1.2"
     if not (out / "config.json").exists():

@@ -52,8 +52,8 @@ def make_model(size: str, out: Path) -> Path:
     """Save a random Qwen2 of ``size`` (the demo tokenizer, padded to the vocab size)."""
     import torch
 
-    from grpo_core.checkpoint import save_checkpoint
     from grpo_core.demo.model import build_model, build_tokenizer
+    from grpo_core.training.checkpoint import save_checkpoint
 
     kwargs, vocab = SIZES[size]
     tok = build_tokenizer()
@@ -69,8 +69,8 @@ def make_model(size: str, out: Path) -> Path:
 def prompt_ids(tokenizer, count: int) -> list[list[int]]:
     import random
 
+    from grpo_core.contracts.text import encode_prompt
     from grpo_core.demo.task import prompt_messages
-    from grpo_core.text import encode_prompt
 
     rng = random.Random(123)
     pairs = [(rng.randint(100, 999), rng.randint(100, 999)) for _ in range(count)]
@@ -92,9 +92,9 @@ def run_engine(args: argparse.Namespace, engine: str) -> list[dict]:
         except ImportError as e:
             return [{"engine": "vllm", "error": f"vllm not importable: {e}"}]
     import_s = time.perf_counter() - t0
-    from grpo_core.checkpoint import load_checkpoint
     from grpo_core.engines import get_engine, probe_sync, sync_weights
-    from grpo_core.generation import SamplingParams
+    from grpo_core.engines.generation import SamplingParams
+    from grpo_core.training.checkpoint import load_checkpoint
 
     dtypes = args.vllm_dtypes.split(",") if engine == "vllm" else [args.hf_dtype]
     for size in args.sizes.split(","):

@@ -54,7 +54,7 @@ def _moved_policy(model, tok, tmp: Path) -> Path:
     Changes ``model`` in place."""
     import torch
 
-    from grpo_core.checkpoint import save_checkpoint
+    from grpo_core.training.checkpoint import save_checkpoint
 
     with torch.no_grad():
         for q in model.parameters():
@@ -68,8 +68,8 @@ def _replica_row(w: int, args, ckpt: Path, moved: Path, model, model2, tok, prom
     """Start ``w`` replicas, time their rollouts and one weight sync to ``moved``."""
     from cluster import rollout_workers
     from cluster.config import ClusterConfig
-    from grpo_core.checkpoint import policy_id
-    from grpo_core.turns import SampleRequest
+    from grpo_core.engines.turns import SampleRequest
+    from grpo_core.training.checkpoint import policy_id
 
     cfg = ClusterConfig(backend="ray", rollout={"workers": w, "num_cpus": 1})
     request = SampleRequest(params, load_options={"dtype": "float32"})
@@ -108,11 +108,11 @@ def main() -> None:
     import torch
 
     from cluster import runtime
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.contracts.text import encode_prompt
     from grpo_core.demo.model import save_base_model
     from grpo_core.engines import get_engine
-    from grpo_core.generation import SamplingParams
-    from grpo_core.text import encode_prompt
+    from grpo_core.engines.generation import SamplingParams
+    from grpo_core.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(args.threads)
     tmp = Path(tempfile.mkdtemp(prefix="bench-replicas-"))

@@ -1,7 +1,7 @@
 """How the weights of stale rows behave as completions grow: TRL's sequence-level engine
 correction (``sequence_mask``: the product of per-token ratios over the completion, masked
 above 3) against AReaL's token-level behaviour weight (``token_mask``: each token's ratio,
-masked above 5), the two ``grpo_core.importance`` offers for rows an older policy sampled.
+masked above 5), the two ``grpo_core.algorithm.importance`` offers for rows an older policy sampled.
 
 Synthetic stale batches: per-token log-ratios ``log(pi_prox / mu)`` drawn with mean -s^2/2 and
 variance s^2 = 2 x KL (E[w] = 1 per token, per-token KL about ``KL``), 256 rows of each length.
@@ -31,7 +31,7 @@ def batch(rows: int, tokens: int, kl: float, seed: int = 0):
 
 
 def main(argv=None) -> None:
-    from grpo_core.importance import behaviour_weights, engine_importance_weights
+    from grpo_core.algorithm.importance import behaviour_weights, engine_importance_weights
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kl", type=float, nargs="*", default=[0.001, 0.004, 0.02])

@@ -18,7 +18,7 @@ a fresh child process with the same torch thread count and ``OMP_NUM_THREADS``:
   logging, saving or evaluation inside ``train()``.
 
 Afterwards each side's final weights get the same greedy held-out eval
-(``grpo_core.evaluation.evaluate``). Prints a Markdown table and writes the rows to
+(``grpo_core.algorithm.evaluation.evaluate``). Prints a Markdown table and writes the rows to
 ``--out``. Wall-clock numbers: run it on a quiet machine.
 
 ``--model DIR`` runs the same comparison from a pretrained model (a ``save_pretrained``

@@ -54,23 +54,23 @@ def _save_model(folder: Path, a) -> Path:
 
 def _warm_on_rank(data_parallel, *, checkpoint: str) -> str:
     """A trainer rank holds ``checkpoint`` as its warm policy (as after an update)."""
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
 
-    return policy_cache.get(checkpoint).policy_id
+    return policy_memo.get(checkpoint).policy_id
 
 
 def _row(cfg, checkpoint: Path, how: str, a) -> dict:
     from cluster import rollout_workers, runtime
     from cluster.trainer_group import trainer_group
-    from tasks.policy_files import files
+    from tasks.policies.files import files
 
     rollout = cfg.rollout.model_copy(update={"weight_sync": how})
     cfg = cfg.model_copy(update={"rollout": rollout})
     runtime.configure(cfg)
     pid = trainer_group(cfg).run(_warm_on_rank, {"checkpoint": str(checkpoint)}, what="load")
     p = files(checkpoint)
-    from grpo_core.generation import SamplingParams
-    from grpo_core.turns import SampleRequest
+    from grpo_core.engines.generation import SamplingParams
+    from grpo_core.engines.turns import SampleRequest
 
     params = SamplingParams(n=1, max_new_tokens=1, temperature=0.0)
     request = SampleRequest(params)

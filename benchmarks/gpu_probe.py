@@ -95,7 +95,7 @@ class Workload:
 
     def generate(self, model, seed: int = 0, decode: str = "auto"):
         from grpo_core.engines import get_engine
-        from grpo_core.generation import SamplingParams
+        from grpo_core.engines.generation import SamplingParams
 
         eng = get_engine("hf", model=model, tokenizer=self.tok, batch_size=512, decode=decode)
         params = SamplingParams(
@@ -112,7 +112,7 @@ def reward(completion_ids: list[int]) -> float:
 def our_batch(w: Workload, samples):
     import torch
 
-    from grpo_core.batch import build_batch
+    from grpo_core.contracts.batch import build_batch
 
     comp = [s.completion_ids for s in samples]
     r = torch.tensor([reward(c) for c in comp]).view(-1, w.n)
@@ -124,7 +124,7 @@ def our_batch(w: Workload, samples):
 
 
 def update_config(steps: int = 4):
-    from grpo_core.loss_config import LossConfig, UpdateConfig
+    from grpo_core.config.loss import LossConfig, UpdateConfig
 
     return UpdateConfig(loss=LossConfig(loss_type="dapo"), steps_per_generation=steps, bf16=True)
 
@@ -132,7 +132,7 @@ def update_config(steps: int = 4):
 def probe(w: Workload) -> list[dict]:
     import torch
 
-    from grpo_core.update import grpo_update
+    from grpo_core.algorithm.update import grpo_update
 
     rows = []
     model = w.model(torch.bfloat16)
@@ -181,7 +181,7 @@ def probe(w: Workload) -> list[dict]:
 def ours(w: Workload, iterations: int) -> dict:
     import torch
 
-    from grpo_core.update import grpo_update
+    from grpo_core.algorithm.update import grpo_update
 
     model = w.model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

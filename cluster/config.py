@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from grpo_core.section import Section
+from grpo_core.config.section import Section
 
 
 class WorkerSettings(Section):

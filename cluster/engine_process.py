@@ -74,7 +74,7 @@ def snapshot(policy, source: str | Path, policy_id: str | None = None) -> Snapsh
 
 
 def _state(policy):
-    from grpo_core import lora
+    from grpo_core.training import lora
 
     model = policy.model
     if lora.is_peft(model):
@@ -147,7 +147,7 @@ class EngineProcess:
         log.info("started the engine process (pid %d, %d threads)", self._proc.pid, self.threads)
 
     def sample(self, snap: Snapshot, prompt_ids, request) -> list:
-        """``request`` (a ``grpo_core.turns.SampleRequest``) on ``snap``'s weights."""
+        """``request`` (a ``grpo_core.engines.turns.SampleRequest``) on ``snap``'s weights."""
         with self._lock:
             if self._proc is None or not self._proc.is_alive():
                 self._start()
@@ -197,8 +197,8 @@ def serve(conn, threads: int, model_section: dict, parent: int | None = None) ->
     import torch
 
     from cluster.state import load_policies_with
+    from grpo_core.config.model import ModelConfig
     from grpo_core.engines import WarmEngines
-    from grpo_core.model_config import ModelConfig
 
     _die_with_parent(parent or os.getppid())
     torch.set_num_threads(threads)
@@ -239,7 +239,7 @@ def _die_with_parent(parent: int, every: float = 1.0) -> None:
 def _answer(engines, held: dict, req: dict) -> dict:
     """One request: the model of ``source`` (built once), the snapshot's weights when they
     came with it, then the engine's samples."""
-    from grpo_core.checkpoint import dtype_name, load_checkpoint
+    from grpo_core.training.checkpoint import dtype_name, load_checkpoint
 
     source, request = req["source"], req["request"]
     fresh = source not in held

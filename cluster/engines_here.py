@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from cluster.state import STATE
 from grpo_core.engines import WarmEngines
-from grpo_core.turns import SampleRequest
+from grpo_core.engines.turns import SampleRequest
 
 
 def with_lora_rank(options: Mapping | None, model) -> dict:
@@ -41,7 +41,7 @@ def sample_here(engines: WarmEngines, policy, prompt_ids: list[list[int]], reque
     ``offload_optimizer``); the engine sleeps after."""
     train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
     if request.engine_options.get("offload_optimizer") and train is not None:
-        from grpo_core import offload  # back before the next step: tasks/policy_cache.py
+        from grpo_core.training import offload  # back before the next step: tasks/policies/memo.py
 
         offload.offload(train.optimizer)  # before the engine wakes: room for its KV cache
     eng = engine_for(

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 from cluster.config import ClusterConfig
 from cluster.engines_here import engine_for, sample_here, with_lora_rank
 from grpo_core.engines import WarmEngines
-from grpo_core.turns import SampleRequest, TurnEngine
+from grpo_core.engines.turns import SampleRequest, TurnEngine
 
 __all__ = ["Local", "OnRay", "Sampler", "for_config", "trainer_threads", "with_lora_rank"]
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 class Policy(Protocol):
     """The policy to sample from: its weights in memory and the checkpoint they came from
-    (``tasks/policy_cache.py: CachedPolicy``)."""
+    (``tasks/policies/memo.py: CachedPolicy``)."""
 
     checkpoint: Path
     policy_id: str
@@ -96,7 +96,7 @@ class Local:
 
     def wants_weights(self, request: SampleRequest) -> bool:
         """Whether sampling ``request`` needs the policy's weights in this process (else a
-        handle on its checkpoint will do: ``tasks/policy_files.py``)."""
+        handle on its checkpoint will do: ``tasks/policies/files.py``)."""
         return True
 
     def eval_sampler(self, policy: Policy, request: SampleRequest):
@@ -131,7 +131,7 @@ class Local:
 
     def sampled_dtype(self, policy: Policy) -> str:
         """The dtype of the model that samples ``policy`` (a rollout file records it)."""
-        from grpo_core.checkpoint import dtype_name
+        from grpo_core.training.checkpoint import dtype_name
 
         if policy.model is None:  # a snapshot, sampled by the engine process
             return policy.dtype
@@ -143,7 +143,7 @@ class Local:
         return engine_for(self.engines, policy, name, options, check_sync=check_sync)
 
     def sample(self, policy: Policy, prompt_ids: list[list[int]], request: SampleRequest) -> list:
-        """``request`` (grpo_core/turns.py) for each prompt, through the turn loop, with this
+        """``request`` (grpo_core/engines/turns.py) for each prompt, through the turn loop, with this
         process's engine; a held snapshot's with the engine process."""
         if policy.model is None:  # a snapshot (:meth:`hold`): the engine process samples it
             return self._elsewhere().sample(policy, prompt_ids, request)
@@ -216,7 +216,7 @@ class OnRay(Local):
         return rollout_workers.replica_dtype()
 
     def sample(self, policy, prompt_ids, request: SampleRequest) -> list:
-        """On the replicas; ``policy.model`` None (``tasks/policy_files.py``): they load the
+        """On the replicas; ``policy.model`` None (``tasks/policies/files.py``): they load the
         weights from ``policy.checkpoint`` themselves."""
         from cluster import rollout_workers
         from cluster.state import STATE
@@ -277,7 +277,7 @@ def for_config(cfg: ClusterConfig) -> Local:
 
 class Sampler:
     """A rollout engine over an executor's :meth:`Local.sample`: what the held-out eval hands
-    to ``grpo_core.evaluation.evaluate`` so that it generates where the rollouts do (on Ray,
+    to ``grpo_core.algorithm.evaluation.evaluate`` so that it generates where the rollouts do (on Ray,
     the rollout replicas: the driver, often on a node without a GPU, holds no engine)."""
 
     name = "sampler"

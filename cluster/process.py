@@ -11,16 +11,16 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 - ``store`` / ``store_env``: the run folder's shared store (cluster/storage.py), or None, and
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
-- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policy_cache.py loads
+- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policies/memo.py loads
   with it, and the stage cache keys name what of it changes results);
 - ``trained_policy``: where this process's policies in memory are found by ``policy_id``
-  (the run context and the trainer ranks pass ``tasks/policy_cache.py: holding``), for a trainer rank sending its weights to the
+  (the run context and the trainer ranks pass ``tasks/policies/memo.py: holding``), for a trainer rank sending its weights to the
   rollout replicas (cluster/weight_bus.py).
 
 What else a process keeps are caches and records of what it has open, each beside the code
-that uses it and emptied by it: the policies in memory (tasks/policy_cache.py), the Ray rollout
+that uses it and emptied by it: the policies in memory (tasks/policies/memo.py), the Ray rollout
 replicas and trainer group (cluster/rollout_workers.py, cluster/trainer_group.py), the MLflow
-runs it has open (tasks/run_states.py, for the signal handlers) and the workspace locks it
+runs it has open (tasks/tracking/run_states.py, for the signal handlers) and the workspace locks it
 holds (flows/lock.py).
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from cluster.config import ClusterConfig
 from cluster.state import STATE, ProcessState, load_policies_with
-from grpo_core.model_config import ModelConfig
+from grpo_core.config.model import ModelConfig
 
 __all__ = ["STATE", "ProcessState", "load_policies_with", "set_up"]
 

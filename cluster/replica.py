@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 from cluster.config import WorkerSettings
 
 if TYPE_CHECKING:
-    from grpo_core.generation import Sample
-    from grpo_core.turns import SampleRequest
+    from grpo_core.engines.generation import Sample
+    from grpo_core.engines.turns import SampleRequest
 
 
 class Replica:
@@ -41,7 +41,7 @@ class Replica:
         opts = dict(engine_options or {})
         self.base_id: str | None = None  # adapter sync: the policy id of the engine's base
         if engine == "hf":
-            from grpo_core.checkpoint import load_checkpoint
+            from grpo_core.training.checkpoint import load_checkpoint
 
             model, tokenizer = load_checkpoint(checkpoint, **dict(load_options or {}))
             model.eval()
@@ -58,8 +58,8 @@ class Replica:
         from pathlib import Path
 
         from cluster import storage
-        from grpo_core import lora
         from grpo_core.engines import get_engine
+        from grpo_core.training import lora
 
         saved = lora.saved_base(checkpoint)
         base, self.base_id = saved if saved else (checkpoint, policy_id)
@@ -69,7 +69,7 @@ class Replica:
             self.engine.use_adapter(Path(checkpoint) / lora.ADAPTER_DIR)
 
     def generate(self, prompt_ids: list[list[int]], request: SampleRequest) -> list[Sample]:
-        """This shard's episodes, through the turn loop (grpo_core/turns.py)."""
+        """This shard's episodes, through the turn loop (grpo_core/engines/turns.py)."""
         self.engine.wake_up()
         samples = request.run(self.engine, prompt_ids, progress=False)
         self.engine.sleep()
@@ -99,11 +99,11 @@ class Replica:
             return self._take_adapter(checkpoint, policy_id)
         self.engine.wake_up(tags=["weights"])
         if self.engine_name == "hf":
-            from grpo_core.train_state import load_weights_
+            from grpo_core.training.train_state import load_weights_
 
             load_weights_(self.engine.model, checkpoint)  # in place, the model's own dtype
         else:
-            from grpo_core.checkpoint import load_checkpoint
+            from grpo_core.training.checkpoint import load_checkpoint
 
             model, _ = load_checkpoint(checkpoint, device="cpu")
             self.engine.update_weights(model.state_dict())
@@ -118,7 +118,7 @@ class Replica:
         caller starts this replica again from ``checkpoint``)."""
         from pathlib import Path
 
-        from grpo_core import lora
+        from grpo_core.training import lora
 
         saved = lora.saved_base(checkpoint)
         if saved is not None and saved[1] == self.base_id:
@@ -183,7 +183,7 @@ class Replica:
         when the transfer was exact and the replica samples in the trainer's dtype."""
         if self.engine_name != "hf":
             return None
-        from grpo_core.weights_id import savable_state_dict, state_dict_id
+        from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 
         return state_dict_id(savable_state_dict(self.engine.model))
 
@@ -191,7 +191,7 @@ class Replica:
         """The dtype this replica samples in (hf: its model's; vllm: its option, or auto)."""
         model = getattr(self.engine, "model", None)
         if model is not None:
-            from grpo_core.checkpoint import dtype_name
+            from grpo_core.training.checkpoint import dtype_name
 
             return dtype_name(model)
         return str(getattr(self.engine, "dtype", "auto"))

@@ -37,8 +37,8 @@ from cluster.config import ClusterConfig, RolloutSettings
 from cluster.replica import Replica, actor_options, takes_adapters
 
 if TYPE_CHECKING:
-    from grpo_core.generation import Sample
-    from grpo_core.turns import SampleRequest
+    from grpo_core.engines.generation import Sample
+    from grpo_core.engines.turns import SampleRequest
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ class RolloutGroup:
             if check and model is not None:
                 self._check_probe(model, tokenizer, policy_id)
             return
-        from grpo_core import lora
         from grpo_core.engines import WeightSyncError, default_probe, trainer_probe
+        from grpo_core.training import lora
 
         state = lora.merged_state_dict(model) if lora.is_peft(model) else model.state_dict()
         ref = self.ray.put({k: v.detach().cpu() for k, v in state.items()})
@@ -302,7 +302,7 @@ def sample(
     retries: int = 1,
     bus: bool = True,
 ) -> list[Sample]:
-    """Sample ``request`` (grpo_core/turns.py) on the process's rollout replicas (started on
+    """Sample ``request`` (grpo_core/engines/turns.py) on the process's rollout replicas (started on
     first use, then synced to ``model``'s weights whenever ``policy_id`` changes; ``model``
     None: they load ``checkpoint`` themselves, ``config`` its config); a replica that dies
     is replaced and its shard redone ``retries`` times."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.config import ClusterConfig
-from grpo_core.model_config import ModelConfig
+from grpo_core.config.model import ModelConfig
 
 
 @dataclass
@@ -35,7 +35,7 @@ def load_policies_with(
     the one a trainer rank is handed (cluster/trainer_group.py runs ranks in other
     processes). Models already in memory that were loaded otherwise are not reused.
     ``trained_policy(policy_id)``: the model in memory holding those weights, or None
-    (``tasks/policy_cache.py: holding``; kept when not given)."""
+    (``tasks/policies/memo.py: holding``; kept when not given)."""
     STATE.model = model
     if trained_policy is not None:
         STATE.trained_policy = trained_policy

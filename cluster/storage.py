@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cluster.state import STATE
-from grpo_core.io import atomic_path
+from grpo_core.contracts.io import atomic_path
 
 STORAGE_ENV = "GRPO_STORAGE"
 log = logging.getLogger(__name__)

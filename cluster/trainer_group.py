@@ -5,11 +5,11 @@ call to :func:`trainer_group`. The group is ``cluster.trainer.workers`` actors, 
 ``num_cpus`` / ``num_gpus`` in one placement group (all of them or none are placed). Each actor
 is one rank of a ``torch.distributed`` process group (``cluster.trainer.dist_backend``; the
 address is rank 0's node IP and a port rank 0 found free there) and runs the function it is
-given with that rank's ``grpo_core.distributed.DataParallel`` (``None`` for a single worker).
+given with that rank's ``grpo_core.training.distributed.DataParallel`` (``None`` for a single worker).
 
 The actors live as long as the group: it is created on the first update and reused by every
 later one while the ``cluster:`` settings and the Ray connection stay the same, so a model an
-actor trained stays in that actor's memory (``tasks/policy_cache.py``) for the next iteration.
+actor trained stays in that actor's memory (``tasks/policies/memo.py``) for the next iteration.
 :func:`release` (or the end of the process) stops them.
 
 A rank that dies or raises ends the whole group (the others would wait in a collective
@@ -80,7 +80,7 @@ class TrainerWorker:
             import torch
             import torch.distributed as dist
 
-            from grpo_core.distributed import make_data_parallel
+            from grpo_core.training.distributed import make_data_parallel
 
             if self.backend == "nccl":
                 torch.cuda.set_device(0)  # Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU

@@ -16,7 +16,7 @@ time beyond its own weights. With FSDP every trainer rank walks the same tensors
 each sharded one (``DTensor.full_tensor``, a collective), and rank 0 sends it: a rank holds
 one full tensor and one bucket at a time.
 
-The names are the checkpoint's (``grpo_core.weights_id.savable_state_dict``: a LoRA policy's
+The names are the checkpoint's (``grpo_core.training.weights_id.savable_state_dict``: a LoRA policy's
 merged weights, without tied copies), so what a replica receives is exactly what it would
 have read from the checkpoint: the ``policy_id`` it then holds is the same.
 
@@ -192,7 +192,7 @@ def _tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors of ``model``, a sharded one gathered whole (every rank)."""
     from torch.distributed.tensor import DTensor
 
-    from grpo_core.weights_id import savable_state_dict
+    from grpo_core.training.weights_id import savable_state_dict
 
     for name, t in savable_state_dict(model).items():
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t)
@@ -202,7 +202,7 @@ def describe_on_rank(data_parallel, *, policy_id: str) -> list[Entry] | None:
     """Rank 0: the entries of ``policy_id``'s tensors when every rank holds that policy
     (else None: the replicas read the checkpoint). A LoRA policy sharded by FSDP is not
     sent (its merged weights are computed from unsharded tensors only)."""
-    from grpo_core import lora
+    from grpo_core.training import lora
 
     model = _trained(policy_id)
     here = model is not None and not (
@@ -212,7 +212,7 @@ def describe_on_rank(data_parallel, *, policy_id: str) -> list[Entry] | None:
         here = all(data_parallel.gather(here))
     if not here or _rank(data_parallel) != 0:
         return None
-    from grpo_core.weights_id import savable_state_dict
+    from grpo_core.training.weights_id import savable_state_dict
 
     return describe(savable_state_dict(model))
 

@@ -50,7 +50,7 @@ def find_run(run_name: str, tracking_uri: str, api: str, rl_stage: str, experime
     import httpx
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import experiment_url, run_url
+    from tasks.tracking.stages import experiment_url, run_url
 
     client = MlflowClient(tracking_uri)
     if experiment:

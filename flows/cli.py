@@ -51,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         from flows.r1 import r1_pipeline
         from flows.summary import render_summary
-        from tasks.tracking import Tracking
+        from tasks.tracking.stages import Tracking
 
         # Open the MLflow store while the Prefect server is still starting: the first open of
         # a sqlite store checks (or creates) its schema, ~2 s that would otherwise come after.

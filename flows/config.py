@@ -1,5 +1,5 @@
 """The pipeline's configuration: the R1 recipe's stages, the whole-run ``PipelineConfig`` built
-from the per-stage sections of ``grpo_core.config``, and loading it from a YAML preset plus
+from the per-stage sections of ``grpo_core.config.stages``, and loading it from a YAML preset plus
 ``--set`` overrides.
 
 The stage names are defined here once; flows, tests and benchmarks import them.
@@ -18,7 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, model_validator
 
 from cluster.config import ClusterConfig
-from grpo_core.config import (
+from grpo_core.config.stages import (
     DataConfig,
     EvalConfig,
     ModelConfig,

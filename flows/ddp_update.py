@@ -5,7 +5,7 @@ does in one process, on N ranks launched by ``torchrun``::
         --policy CKPT --scored scored.parquet --out NEW_CKPT [--config gpu.yaml] [--set k=v]
 
 Every rank reads the whole file and the checkpoint, trains its share of each micro-batch's
-groups (``grpo_core.distributed``), and rank 0 writes the checkpoint (atomically, with the
+groups (``grpo_core.training.distributed``), and rank 0 writes the checkpoint (atomically, with the
 trainer state). The policy loads as the config's ``model`` section says (``dtype``, ``lora``,
 ``gradient_checkpointing``, ``load_in_4bit``: the run context sets it on every rank), and the
 summary line names what was trained. The backend is nccl when CUDA is available (one GPU per
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.set)
     apply_defaults(cfg.output_dir)
     RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
-    from grpo_core.distributed import process_group
-    from tasks import policy_cache
+    from grpo_core.training.distributed import process_group
+    from tasks.policies import memo as policy_memo
     from tasks.update import update_from_file
 
     with process_group(args.backend, args.strategy, args.fsdp_param_dtype) as dp:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": res.seconds,
                 "loss": last.get("loss"),
                 # the model the ranks trained, as the config's model section loaded it
-                "model": policy_cache.describe(policy_cache.warm().model),
+                "model": policy_memo.describe(policy_memo.warm().model),
             }
             print(json.dumps(summary), flush=True)
     return 0

@@ -24,7 +24,7 @@ DEFAULTS = {
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
     # MLflow prints "View run ... at" for every run it ends on a server, with links that open
-    # its UI in GenAI mode; `grpo run` prints its own (tasks/tracking.py: UI_MODE)
+    # its UI in GenAI mode; `grpo run` prints its own (tasks/tracking/stages.py: UI_MODE)
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
     "HF_HUB_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",

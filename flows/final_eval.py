@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 from flows.config import CHECKPOINT_STAGES, PipelineConfig
 from flows.run_names import named
-from tasks.chart_keys import eval_point, pipeline_stage_key
 from tasks.evaluate import evaluate_stage
-from tasks.mlflow_runs import stage_run
 from tasks.results import EvalOutcome
-from tasks.tracking import Tracking
+from tasks.tracking.charts import eval_point, pipeline_stage_key
+from tasks.tracking.runs import stage_run
+from tasks.tracking.stages import Tracking
 from tasks.workspace import Workspace
 
 

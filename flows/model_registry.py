@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grpo_core.checkpoint import model_files, policy_id
+from grpo_core.training.checkpoint import model_files, policy_id
 
 ARTIFACT_PATH = "final_checkpoint"
 CHAMPION = "champion"  # the registered model's alias of its best version
@@ -174,7 +174,7 @@ def _update_champion(client, name: str, version: str, accuracy: float | None):
 
 
 def _log_checkpoint(client, run_id: str, checkpoint_dir: Path) -> None:
-    for item in model_files(checkpoint_dir):  # grpo_core.checkpoint's allow-list
+    for item in model_files(checkpoint_dir):  # grpo_core.training.checkpoint's allow-list
         folder = item.parent.relative_to(checkpoint_dir).as_posix()
         client.log_artifact(
             run_id, str(item), ARTIFACT_PATH if folder == "." else f"{ARTIFACT_PATH}/{folder}"
@@ -189,7 +189,7 @@ def register_final_checkpoint(
     model_name: str | None = None,
     final_stage: str | None = None,
 ):
-    """Log the model files of ``checkpoint_dir`` (``grpo_core.checkpoint.MODEL_FILES``) as artifacts of the
+    """Log the model files of ``checkpoint_dir`` (``grpo_core.training.checkpoint.MODEL_FILES``) as artifacts of the
     parent run and register a model version.
 
     Args:
@@ -208,7 +208,7 @@ def register_final_checkpoint(
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from tasks.mlflow_store import Shielded
+    from tasks.tracking.store import Shielded
 
     checkpoint_dir = Path(checkpoint_dir)
     if not (checkpoint_dir / "config.json").exists():
@@ -217,7 +217,7 @@ def register_final_checkpoint(
         )
     if not any(checkpoint_dir.glob("*.safetensors")):
         raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors weights to register")
-    # as every tracking call: a sqlite store's write is not cut by Ctrl-C (tasks/mlflow_store.py)
+    # as every tracking call: a sqlite store's write is not cut by Ctrl-C (tasks/tracking/store.py)
     client = Shielded(MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri))
     run = client.get_run(parent_run_id)
     name = model_name or client.get_experiment(run.info.experiment_id).name

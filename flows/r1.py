@@ -26,10 +26,10 @@ from flows.recipe import FINAL_STAGE, RECIPE, STAGES, RecipeRun, same_evaluation
 from flows.run_context import RunContext
 from flows.run_names import named
 from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, run_note
-from tasks.mlflow_runs import parent_run
 from tasks.prepare import prepare
-from tasks.run_states import end_open_runs
-from tasks.tracking import Tracking, config_hash
+from tasks.tracking.run_states import end_open_runs
+from tasks.tracking.runs import parent_run
+from tasks.tracking.stages import Tracking, config_hash
 from tasks.workspace import Workspace
 
 

@@ -21,7 +21,7 @@ from flows.summary import publish_sft_artifact
 from tasks.rejection import rejection_sampling
 from tasks.results import RejectionResult, RLStageOutcome, SFTOutcome
 from tasks.sft import sft_stage
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 from tasks.workspace import Workspace
 
 StageResult = SFTOutcome | RLStageOutcome | RejectionResult

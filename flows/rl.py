@@ -1,11 +1,11 @@
 """One RL stage (rl_1, rl_2): ``iterations`` x [rollout -> Parquet -> score -> update],
 with a held-out eval of the starting checkpoint (``rl.eval_on_start``), every ``eval_every``
 iterations and at the end. Its MLflow curves are plotted against iterations under the chart
-keys of tasks/chart_keys.py; its Prefect artifact is flows/rl_report.py's.
+keys of tasks/tracking/charts.py; its Prefect artifact is flows/rl_report.py's.
 
-Each iteration's rollouts, scores and policy record (tasks/policy_ref.py) land under
+Each iteration's rollouts, scores and policy record (tasks/policies/ref.py) land under
 ``<stage>/iter_NNNN/``; the policy stays warm in this process between tasks
-(tasks/policy_cache.py). The full train state is kept every ``rl.save_steps`` iterations and
+(tasks/policies/memo.py). The full train state is kept every ``rl.save_steps`` iterations and
 at the end, written in the background, and only the last ``rl.save_total_limit`` of those
 stay; a rerun that needs an iteration in between replays the updates from the nearest kept
 state on the cached scored files (no generation, no scoring). The stage's final policy is
@@ -30,17 +30,18 @@ from flows.rl_log import Blocks, HeldOut, StageLog
 from flows.rl_schedule import Overlap
 from flows.run_names import named
 from grpo_core import rewards
-from grpo_core.checkpoint import POLICY_ID, policy_id, save_checkpoint
-from grpo_core.config import EvalConfig, RLConfig
-from grpo_core.io import atomic_path, link_tree
-from tasks import policy_cache, policy_ref
-from tasks.chart_keys import chart_metrics
-from tasks.mlflow_runs import stage_run
+from grpo_core.config.stages import EvalConfig, RLConfig
+from grpo_core.contracts.io import atomic_path, link_tree
+from grpo_core.training.checkpoint import POLICY_ID, policy_id, save_checkpoint
+from tasks.policies import memo as policy_memo
+from tasks.policies import ref as policy_ref
 from tasks.results import RLStageOutcome
 from tasks.rollout import is_cached, rollout
 from tasks.run_log import logger
 from tasks.score import score
-from tasks.tracking import Tracking
+from tasks.tracking.charts import chart_metrics
+from tasks.tracking.runs import stage_run
+from tasks.tracking.stages import Tracking
 from tasks.update import policy as load_policy
 from tasks.update import update
 from tasks.workspace import Workspace
@@ -179,7 +180,7 @@ class _StageTasks:
     def policy_known(self, j: int, policy: str) -> None:
         """The async schedule starts the rollouts ``policy`` (``P_j``) samples."""
         if self.overlap is not None:
-            self.overlap.policy_known(j, policy, policy_cache.policy_id(policy))
+            self.overlap.policy_known(j, policy, policy_memo.policy_id(policy))
 
     def __enter__(self) -> _StageTasks:
         """With ``rl.async_level`` > 0, the async schedule; its first rollouts are
@@ -243,7 +244,7 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
         with atomic_path(final) as tmp:
             link_tree(kept, tmp)
         storage.publish(final)
-    policy_cache.relabel(final)  # same weights as the last iteration's checkpoint
+    policy_memo.relabel(final)  # same weights as the last iteration's checkpoint
     return final
 
 
@@ -270,7 +271,7 @@ class SavePoints:
         n, lag = self.rl.iterations, self.rl.async_level
         for it in range(max(0, n - lag), n):
             self._prune(it)
-        policy_cache.WRITER.drain()  # the kept checkpoints are in place
+        policy_memo.WRITER.drain()  # the kept checkpoints are in place
 
     def _prune(self, it: int) -> None:
         rl = self.rl
@@ -282,7 +283,7 @@ class SavePoints:
             path = self.ws.iteration_checkpoint(self.stage, j)
             if not path.exists():
                 continue
-            if policy_cache.WRITER.is_pending(path):
-                policy_cache.WRITER.drain()
+            if policy_memo.WRITER.is_pending(path):
+                policy_memo.WRITER.drain()
             shutil.rmtree(path, ignore_errors=True)
             storage.remove(path)

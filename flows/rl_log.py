@@ -1,6 +1,6 @@
 """An RL stage's bookkeeping as it trains (flows/rl.py): its curves in its MLflow run, the
 held-out evals, the nested run of each eval block and the Prefect report. Every point's
-step is the number of iterations done (tasks/chart_keys.py)."""
+step is the number of iterations done (tasks/tracking/charts.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
-from grpo_core.config import EvalConfig, RLConfig
-from tasks import policy_cache
-from tasks.chart_keys import chart_metrics, eval_point, iteration_means, step_metrics
+from grpo_core.config.stages import EvalConfig, RLConfig
 from tasks.evaluate import evaluate_checkpoint
+from tasks.policies import memo as policy_memo
 from tasks.results import EvalOutcome
 from tasks.run_log import logger
-from tasks.tracking import PendingMetrics, Tracking
+from tasks.tracking.charts import chart_metrics, eval_point, iteration_means, step_metrics
+from tasks.tracking.stages import PendingMetrics, Tracking
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,7 @@ class StageLog:
         done = it + 1
         ev = self.held_out(policy, done, step, table)
         self.blocks.last_table = ev.table
-        self.blocks.group.end(
-            done, eval_point(ev.summary_metrics()), policy_cache.policy_id(policy)
-        )
+        self.blocks.group.end(done, eval_point(ev.summary_metrics()), policy_memo.policy_id(policy))
         # the training completions the MLflow UI pages through, at this eval point
         self.tracking.log_table(
             self.run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json"
@@ -143,7 +141,7 @@ class StageLog:
         """The stage's last tags and metrics, its eval history and Prefect report; returns
         its wall time (from ``t0``)."""
         stage_tags = {
-            "policy_id": policy_cache.policy_id(final),
+            "policy_id": policy_memo.policy_id(final),
             "cached": str(reused == iterations).lower(),
             # bookkeeping: tags, not metrics
             "global_step": str(step),

@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass, field
 
 from flows.summary import md_cell, md_link
-from tasks.mlflow_keys import metric_batch
-from tasks.tracking import Tracking
+from tasks.tracking.keys import metric_batch
+from tasks.tracking.stages import Tracking
 
 TABLE_ROWS = 20  # per-iteration rows in the artifact: every k-th iteration and the last
 PROBLEM_ROWS = 5  # held-out problems shown per list

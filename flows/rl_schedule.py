@@ -13,7 +13,7 @@ The engine runs elsewhere so that the two really overlap: locally in the engine 
 (cluster/engine_process.py), which gets a snapshot of ``P_j``'s weights taken before the
 next update starts; on Ray on the rollout replicas, which read ``P_j``'s checkpoint.
 
-What it records per iteration (tasks/chart_keys.py puts them under ``train/``):
+What it records per iteration (tasks/tracking/charts.py puts them under ``train/``):
 ``async/policy_lag`` (``i`` minus the index of the sampling policy), ``timing/trainer_wait_s``
 (the trainer waiting for that iteration's scored file) and ``timing/engine_idle_s`` (the
 engine process waiting between the previous request and this one); and for the stage

@@ -8,8 +8,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from tasks.mlflow_store import sqlite_path
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
+from tasks.tracking.store import sqlite_path
 from tasks.workspace import Workspace
 
 COMPARE_PLOT = "compare/grpo-compare.png"  # the parent run's artifact, logged at every run end

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from cluster import storage
-from grpo_core.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256
-from grpo_core.io import atomic_path, write_json
-from grpo_core.run_folder import localised, portable, run_root
+from grpo_core.contracts.io import atomic_path, write_json
+from grpo_core.contracts.run_folder import localised, portable, run_root
+from grpo_core.training.checkpoint import checkpoint_sha256, checkpoint_stamp, memo_sha256
 
 _PACKAGES = ("grpo_core", "tasks", "cluster")
 # How outputs were verified on lookups in this process: by size + mtime alone, or by hashing
@@ -53,9 +53,9 @@ def code_version() -> str:
 
 def content_hash(path: str | Path) -> str:
     """Weights hash for a checkpoint directory (its verified ``policy_id``) or an RL
-    iteration's policy record (tasks/policy_ref.py: the hash it recorded), sha256 for a file
+    iteration's policy record (tasks/policies/ref.py: the hash it recorded), sha256 for a file
     (memoised in the process on the file's identity, size and mtime)."""
-    from tasks import policy_ref
+    from tasks.policies import ref as policy_ref
 
     p = Path(path)
     if p.is_dir() or policy_ref.is_ref(p):
@@ -64,11 +64,11 @@ def content_hash(path: str | Path) -> str:
 
 
 def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
-    from tasks import (
-        policy_cache,  # how policies are loaded (model.dtype, lora, ...): tasks/policy_cache.py
+    from tasks.policies import (
+        memo as policy_memo,  # how policies are loaded (model.dtype, lora, ...): tasks/policies/memo.py
     )
 
-    model = policy_cache.options_key()
+    model = policy_memo.options_key()
     blob = json.dumps(
         {
             "stage": stage,
@@ -105,7 +105,7 @@ def output_stamp(path: str | Path) -> dict | None:
 
 def output_sha256(path: str | Path) -> str:
     """sha256 of a file, or of a checkpoint directory's model files (weights, config,
-    tokenizer: ``grpo_core.checkpoint.checkpoint_sha256``)."""
+    tokenizer: ``grpo_core.training.checkpoint.checkpoint_sha256``)."""
     p = Path(path)
     return checkpoint_sha256(p) if p.is_dir() else memo_sha256(p)
 

@@ -11,12 +11,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
-from grpo_core.config import EvalConfig
-from grpo_core.data import load_rows
-from grpo_core.io import atomic_path, write_parquet
-from grpo_core.turns import SampleRequest
-from tasks import policy_cache
+from grpo_core.config.stages import EvalConfig
+from grpo_core.contracts.io import atomic_path, write_parquet
+from grpo_core.contracts.prompts import load_rows
+from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, lookup, stage_key
+from tasks.policies import memo as policy_memo
 from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE, policy_for
 from tasks.run_log import logger, timer
@@ -62,7 +62,7 @@ def evaluate_checkpoint(
 def _evaluate(
     checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
 ) -> EvalOutcome:
-    from grpo_core.evaluation import evaluate
+    from grpo_core.algorithm.evaluation import evaluate
 
     rows = load_rows(eval_path)
     if cfg.num_examples:
@@ -71,7 +71,7 @@ def _evaluate(
     # no weights in this process), this process's warm engine (vllm), or HF generate on the
     # warm policy (None)
     executor = runtime.executor()
-    load = policy_cache.options().load_kwargs(trainer=False)
+    load = policy_memo.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, None, load_options=load, desc="eval")
     w = policy_for(executor, checkpoint, request)
     eng = executor.eval_sampler(w, request)

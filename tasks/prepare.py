@@ -9,11 +9,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import storage
-from grpo_core.checkpoint import policy_id, resolve_model_path
-from grpo_core.config import DataConfig, ModelConfig
-from grpo_core.data import load_rows
+from grpo_core.config.stages import DataConfig, ModelConfig
+from grpo_core.contracts.io import write_jsonl
+from grpo_core.contracts.prompts import load_rows
 from grpo_core.demo.task import make_splits
-from grpo_core.io import write_jsonl
+from grpo_core.training.checkpoint import policy_id, resolve_model_path
 from tasks.run_log import logger, pull
 from tasks.workspace import Workspace
 

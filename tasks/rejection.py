@@ -11,12 +11,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from grpo_core.checkpoint import policy_id
-from grpo_core.config import RejectionConfig
-from grpo_core.data import load_rows
-from grpo_core.errors import UserError
-from grpo_core.io import write_jsonl
-from grpo_core.rejection import (
+from grpo_core.algorithm.rejection import (
     DUPLICATE,
     FAILED,
     KEPT,
@@ -24,14 +19,19 @@ from grpo_core.rejection import (
     classify_completions,
     to_sft_rows,
 )
-from grpo_core.rollouts import read_scored
+from grpo_core.config.stages import RejectionConfig
+from grpo_core.contracts.io import write_jsonl
+from grpo_core.contracts.prompts import load_rows
+from grpo_core.contracts.rollouts import read_scored
+from grpo_core.errors import UserError
+from grpo_core.training.checkpoint import policy_id
 from tasks.cache import cached, stage_key
-from tasks.mlflow_runs import stage_run
 from tasks.results import RejectionResult
 from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
 from tasks.run_log import logger
 from tasks.score import score_file
-from tasks.tracking import Tracking
+from tasks.tracking.runs import stage_run
+from tasks.tracking.stages import Tracking
 from tasks.workspace import SamplingDir
 
 
@@ -104,7 +104,7 @@ def by_prompt(
     distinct, dropped by ``max_per_prompt``) and ``kept`` (written to the re-SFT data);
     ``passed = duplicates + capped + kept``. Rates and the mean reward are rounded to 3
     decimals (they are read by people; the counts are exact). ``status``: the rows'
-    :func:`~grpo_core.rejection.classify_completions` when already computed."""
+    :func:`~grpo_core.algorithm.rejection.classify_completions` when already computed."""
     stats: dict[str, dict] = {}
     for r, st in zip(rows, status or _classify(rows, cfg), strict=True):
         s = stats.setdefault(r["prompt_id"], {"prompt": r["prompt_text"], "sampled": 0})

@@ -35,12 +35,12 @@ class ScoreOutcome:
 
 @dataclass(frozen=True)
 class UpdateResult:
-    checkpoint: str  # the policy after the update (its record, tasks/policy_ref.py, in a stage)
+    checkpoint: str  # the policy after the update (its record, tasks/policies/ref.py, in a stage)
     global_step: int  # optimizer steps so far in the stage
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per step
     seconds: float = 0.0  # wall time of the optimizer steps
-    peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the update
-    policy_id: str = ""  # the new weights' content hash (grpo_core/weights_id.py)
+    peak_memory_gib: float = 0.0  # grpo_core.training.memory.PeakMemory of the update
+    policy_id: str = ""  # the new weights' content hash (grpo_core/training/weights_id.py)
     kept: bool = True  # a checkpoint of the new weights (and trainer state) was written
     cached: bool = False
 
@@ -54,7 +54,7 @@ class SFTOutcome:
     wall_time_s: float  # wall time of the training loop
     train_examples: int  # rows in the SFT data file
     policy_id: str  # weights hash of ``checkpoint``
-    peak_memory_gib: float = 0.0  # grpo_core.memory.PeakMemory of the training loop
+    peak_memory_gib: float = 0.0  # grpo_core.training.memory.PeakMemory of the training loop
     run_id: str | None = field(default=None, metadata=NOT_RECORDED)  # the stage's MLflow run
     cached: bool = False
     # trained on the trainer group's ranks: each step's metrics, for the driver to log
@@ -63,7 +63,7 @@ class SFTOutcome:
 
 @dataclass(frozen=True)
 class EvalOutcome:
-    """A checkpoint's held-out greedy evaluation (``grpo_core.evaluation.EvalResult.summary``
+    """A checkpoint's held-out greedy evaluation (``grpo_core.algorithm.evaluation.EvalResult.summary``
     plus where it came from); named apart from that class, which holds the whole table."""
 
     accuracy: float  # pass@1: share of completions with full accuracy reward (all tests pass)

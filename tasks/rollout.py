@@ -15,16 +15,16 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
-from grpo_core.config import RLConfig
-from grpo_core.context import check_prompt_lengths, model_context
-from grpo_core.data import load_rows
-from grpo_core.io import write_parquet
-from grpo_core.rollouts import rollout_table
-from grpo_core.settings import Sampling
-from grpo_core.text import encode_prompt
-from grpo_core.turns import SampleRequest
-from tasks import policy_cache
+from grpo_core.config.settings import Sampling
+from grpo_core.config.stages import RLConfig
+from grpo_core.contracts.io import write_parquet
+from grpo_core.contracts.prompts import load_rows
+from grpo_core.contracts.rollouts import rollout_table
+from grpo_core.contracts.text import encode_prompt
+from grpo_core.engines.context import check_prompt_lengths, model_context
+from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key
+from tasks.policies import memo as policy_memo
 from tasks.results import RolloutResult
 from tasks.run_log import logger, timer
 from tasks.update import policy
@@ -72,11 +72,11 @@ def sample_rollouts(
     **sampling,
 ) -> RolloutResult:
     """:func:`write_rollouts` with the sampling settings as keywords (``temperature``,
-    ``max_completion_length``, ``top_p``, ...: the fields of ``grpo_core.settings.Sampling``)
+    ``max_completion_length``, ``top_p``, ...: the fields of ``grpo_core.config.settings.Sampling``)
     and ``num_generations`` samples per prompt drawn with ``seed``."""
     params = Sampling(**sampling).params(num_generations, seed=seed)
     spec = {"name": engine, "options": engine_options, "check_sync": check_sync}
-    if tools:  # the environment (grpo_core/environments.py: ToolSpec's fields)
+    if tools:  # the environment (grpo_core/engines/environments.py: ToolSpec's fields)
         spec["tools"] = tools
     return write_rollouts(policy_checkpoint, rows, out_path, params, iteration, spec, desc)
 
@@ -90,16 +90,16 @@ def write_rollouts(
     engine: dict,
     desc: str = "rollout",
 ) -> RolloutResult:
-    """Sample ``params`` (a ``grpo_core.generation.SamplingParams``) for each prompt of
+    """Sample ``params`` (a ``grpo_core.engines.generation.SamplingParams``) for each prompt of
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
     # load_options: a process that loads its own copy loads it as this one does
-    load = policy_cache.options().load_kwargs(trainer=False)
+    load = policy_memo.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
     if request.tools:  # the environment starts each episode from its data row
         request = dataclasses.replace(request, rows=tuple(rows))
-    held = executor.held_policy(policy_cache.policy_id(policy_checkpoint))
+    held = executor.held_policy(policy_memo.policy_id(policy_checkpoint))
     w = held or policy_for(executor, policy_checkpoint, request)  # held: rl.async_level
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
@@ -122,9 +122,9 @@ def write_rollouts(
 def policy_for(executor, checkpoint: str, request: SampleRequest):
     """The policy to sample from: the warm policy, or, where the executor's samplers load
     the weights themselves (the rollout replicas), a handle without them
-    (``tasks/policy_files.py``)."""
+    (``tasks/policies/files.py``)."""
     if not executor.wants_weights(request):
-        from tasks.policy_files import files
+        from tasks.policies.files import files
 
         return files(checkpoint)
     return policy(checkpoint)
@@ -141,7 +141,7 @@ def _metadata(policy_checkpoint, engine: dict, params, shards: int, dtype: str) 
     }
     if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
         meta["rollout_shards"] = shards
-    if engine["name"] == "hf":  # the sampling model's dtype (grpo_core/old_logprobs.py)
+    if engine["name"] == "hf":  # the sampling model's dtype (grpo_core/logprobs/old.py)
         meta["dtype"] = dtype
     return meta
 

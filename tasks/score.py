@@ -1,4 +1,4 @@
-"""Score task: reward functions + advantages (``grpo_core.iteration.score``) on a rollouts
+"""Score task: reward functions + advantages (``grpo_core.algorithm.iteration.score``) on a rollouts
 Parquet -> a new scored Parquet, cached by its inputs.
 
 The rollout file is read, never rewritten. A reward function that fails is recorded per
@@ -17,10 +17,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
-from grpo_core.config import RLConfig
-from grpo_core.io import write_parquet
-from grpo_core.rollouts import read_rollouts
-from grpo_core.settings import Scoring, settings_or_knobs
+from grpo_core.config.settings import Scoring, settings_or_knobs
+from grpo_core.config.stages import RLConfig
+from grpo_core.contracts.io import write_parquet
+from grpo_core.contracts.rollouts import read_rollouts
 from tasks.cache import cached, stage_key
 from tasks.results import ScoreOutcome
 from tasks.run_log import logger, timer
@@ -37,10 +37,10 @@ def score_file(
     sandbox_isolation: str | None = None,
     **knobs,
 ) -> ScoreOutcome:
-    """``grpo_core.iteration.score`` on ``rollouts_path``, written to ``out_path``; returns
+    """``grpo_core.algorithm.iteration.score`` on ``rollouts_path``, written to ``out_path``; returns
     path and TRL-named metrics.
 
-    ``scoring``: a ``grpo_core.settings.Scoring``, or its fields as keywords
+    ``scoring``: a ``grpo_core.config.settings.Scoring``, or its fields as keywords
     (``advantage_estimator``, ``scale_rewards``, ...; not both). ``reward`` is the weighted
     sum of the reward functions (null where every function gave ``None``), plus DAPO's soft
     overlong penalty as a reward column ``overlong_penalty`` of weight
@@ -52,7 +52,7 @@ def score_file(
     every row) raises a ``UserError`` with its first error, naming ``label`` (default: the
     rollouts file), before anything is written.
     """
-    from grpo_core import iteration
+    from grpo_core.algorithm import iteration
 
     scoring = settings_or_knobs(Scoring, scoring, knobs)
     with timer() as t:

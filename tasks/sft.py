@@ -17,15 +17,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import process, storage
-from grpo_core.checkpoint import save_checkpoint
-from grpo_core.config import SFTConfig
-from grpo_core.data import load_rows
-from tasks import policy_cache
+from grpo_core.config.stages import SFTConfig
+from grpo_core.contracts.prompts import load_rows
+from grpo_core.training.checkpoint import save_checkpoint
 from tasks.cache import cached, stage_key
-from tasks.mlflow_runs import stage_run
+from tasks.policies import memo as policy_memo
 from tasks.results import SFTOutcome
 from tasks.run_log import logger, pull, timer
-from tasks.tracking import Tracking
+from tasks.tracking.runs import stage_run
+from tasks.tracking.stages import Tracking
 from tasks.workspace import Workspace
 
 
@@ -52,17 +52,17 @@ def train_stage(
     ``data_parallel``: this is one rank of the trainer group (:func:`run_sft`); rank 0
     writes the checkpoint.
     """
-    from grpo_core.memory import PeakMemory  # torch: only when the stage really trains
-    from grpo_core.parallel import LOCAL
-    from grpo_core.sft import train_sft
+    from grpo_core.training.memory import PeakMemory  # torch: only when the stage really trains
+    from grpo_core.training.parallel import LOCAL
+    from grpo_core.training.sft import train_sft
 
     log = logger(__name__)
     dp = data_parallel or LOCAL
     pull(init_checkpoint, data_path, dev_path)  # a rank on a node without the run folder
     rows = load_rows(data_path, required=("prompt", "completion"))
-    w = policy_cache.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
+    w = policy_memo.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
-    dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w)))  # ranks: equal, or sharded
+    dp.prepare_model(w.model, lora=bool(policy_memo.lora_info(w)))  # ranks: equal, or sharded
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
         "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
@@ -85,8 +85,8 @@ def train_stage(
             parallel=dp,
         )
     info = {"stage": stage, "steps": result.steps, "resumed_from": result.resumed_from}
-    _save(w, out_checkpoint, {**info, **policy_cache.lora_info(w)}, dp)
-    policy_cache.put(out_checkpoint, w)
+    _save(w, out_checkpoint, {**info, **policy_memo.lora_info(w)}, dp)
+    policy_memo.put(out_checkpoint, w)
     log.info(
         "%s: %d steps in %.1fs, final loss %.4f, peak memory %.2f GiB%s",
         stage,
@@ -125,7 +125,7 @@ def _save(w, out_checkpoint: str, info: dict, dp) -> None:
 def sft_on_rank(data_parallel, model_options, **kwargs) -> SFTOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`train_stage` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options, trained_policy=policy_cache.holding)
+    process.load_policies_with(model_options, trained_policy=policy_memo.holding)
     return train_stage(**kwargs, data_parallel=data_parallel)
 
 
@@ -137,7 +137,7 @@ def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
 
     out = runtime.executor().update(
         functools.partial(train_stage, on_step=on_step, on_resume=on_resume),
-        functools.partial(sft_on_rank, model_options=policy_cache.options()),
+        functools.partial(sft_on_rank, model_options=policy_memo.options()),
         kwargs,
         what=f"{kwargs['stage']} SFT",
         out_checkpoint=kwargs["out_checkpoint"],
@@ -153,13 +153,13 @@ def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage:
     tool through the turn loop, as the held-out evals do."""
     if not dev_rows:
         return None
-    from grpo_core.evaluation import evaluate
+    from grpo_core.algorithm.evaluation import evaluate
 
     def dev_eval() -> float:
         engine = None
         if tools:
             from grpo_core.engines.hf import HFEngine
-            from grpo_core.turns import TurnEngine
+            from grpo_core.engines.turns import TurnEngine
 
             engine = TurnEngine(HFEngine(model=w.model, tokenizer=w.tokenizer), tools)
         return evaluate(

@@ -2,7 +2,7 @@
 steps on the policy -> a new checkpoint. Reference log-probs are recomputed from the token ids
 in the file, so any scored file with the contract's columns will do; old log-probs too, unless
 the file's own sampling log-probs are the same numbers (``rl.old_logprobs``,
-grpo_core/old_logprobs.py)."""
+grpo_core/logprobs/old.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import process, storage
-from grpo_core.checkpoint import save_checkpoint
-from grpo_core.config import RLConfig
+from grpo_core.config.rl import update_unkeyed
+from grpo_core.config.stages import RLConfig
 from grpo_core.errors import UserError
-from grpo_core.rl_config import update_unkeyed
-from tasks import policy_cache, policy_ref
+from grpo_core.training.checkpoint import save_checkpoint
 from tasks.cache import cached, stage_key
-from tasks.policy_ref import PolicyRef
+from tasks.policies import memo as policy_memo
+from tasks.policies import ref as policy_ref
+from tasks.policies.ref import PolicyRef
 from tasks.results import UpdateResult
 from tasks.run_log import logger, pull
 
@@ -49,24 +50,24 @@ def update_from_file(
 ) -> UpdateResult:
     """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
     with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
-    the stage continues from (``tasks/policy_cache.py: train_state``).
+    the stage continues from (``tasks/policies/memo.py: train_state``).
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
     stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
-    process's checkpoint is written by ``policy_cache.WRITER`` (the caller drains it);
+    process's checkpoint is written by ``policy_memo.WRITER`` (the caller drains it);
     data-parallel ranks write every update's, synchronously (:func:`_save`).
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
     0 it is fresh, later it is the state saved with ``policy_checkpoint`` by this stage.
 
-    ``data_parallel`` (a ``grpo_core.distributed.DataParallel``): this is one rank of N that
+    ``data_parallel`` (a ``grpo_core.training.distributed.DataParallel``): this is one rank of N that
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
     rank 0 alone writes the checkpoint.
     """
-    from grpo_core import iteration
-    from grpo_core.parallel import LOCAL
-    from grpo_core.scored_batch import ScoredRows
+    from grpo_core.algorithm import iteration
+    from grpo_core.contracts.scored_batch import ScoredRows
+    from grpo_core.training.parallel import LOCAL
 
     pull(scored_path)
     rows = ScoredRows.read(scored_path, dynamic_sampling=rl.dynamic_sampling)
@@ -75,15 +76,15 @@ def update_from_file(
     pull(
         policy_checkpoint,
         reference_checkpoint if rl.beta > 0 else None,
-        init if policy_cache.options().lora is not None else None,  # the LoRA adapter's base
+        init if policy_memo.options().lora is not None else None,  # the LoRA adapter's base
     )
     w = policy(policy_checkpoint, mutate=True, lora_base=init)
-    dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/parallel.py)
-    if dp.prepare_model(w.model, lora=bool(policy_cache.lora_info(w))):
+    dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/training/parallel.py)
+    if dp.prepare_model(w.model, lora=bool(policy_memo.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
     train = _train_state(w, rl, dp, stage=stage, init=init, global_step=global_step, seed=seed,
                          total_steps=total_steps)  # fmt: skip
-    reference = functools.partial(policy_cache.reference, w, reference_checkpoint)
+    reference = functools.partial(policy_memo.reference, w, reference_checkpoint)
     out = iteration.update(
         w.model,
         train,
@@ -91,7 +92,7 @@ def update_from_file(
         rl,
         policy_id=w.policy_id,
         pad_id=w.tokenizer.pad_token_id,
-        quantized=policy_cache.options().load_in_4bit,
+        quantized=policy_memo.options().load_in_4bit,
         reference=reference if rl.beta > 0 else None,
         on_step=on_step,
         parallel=dp,
@@ -103,7 +104,7 @@ def update_from_file(
     on_ranks = data_parallel is not None
     pid = _save(w, train, out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
                 background=background)  # fmt: skip
-    policy_cache.put(out_checkpoint, w, pid=pid)
+    policy_memo.put(out_checkpoint, w, pid=pid)
     return UpdateResult(out_checkpoint, out.global_step, out.history, out.seconds,
                         out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
 
@@ -124,9 +125,9 @@ def _train_state(
 ):
     """The stage's optimizer, schedule and RNG states at ``global_step``, kept with the warm
     policy: the one in memory when it is the state saved at this step, else the saved one,
-    else fresh (grpo_core/train_state.py: TrainState.resume, RLOptimization)."""
-    from grpo_core import offload
-    from grpo_core.train_state import RLOptimization, TrainState
+    else fresh (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
+    from grpo_core.training import offload
+    from grpo_core.training.train_state import RLOptimization, TrainState
 
     optimization = RLOptimization.of_stage(
         rl,
@@ -164,9 +165,9 @@ def _save(
     store; every rank returns once it exists and takes the id from it. One process with
     ``background``: written by a thread from a CPU copy (a LoRA policy, whose adapter is read
     from the live model, here and now)."""
-    from grpo_core import lora
-    from grpo_core.checkpoint import policy_id
-    from grpo_core.weights_id import savable_state_dict, state_dict_id
+    from grpo_core.training import lora
+    from grpo_core.training.checkpoint import policy_id
+    from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 
     if not keep:
         return state_dict_id(savable_state_dict(w.model))
@@ -174,13 +175,13 @@ def _save(
     if not on_ranks:
         weights = savable_state_dict(w.model) if weights is None else weights
         pid = state_dict_id(weights)
-        info = {**info, **policy_cache.lora_info(w)}
+        info = {**info, **policy_memo.lora_info(w)}
         if not background or lora.is_peft(w.model):
             save_checkpoint(w.model, w.tokenizer, out_checkpoint, trainer_state=state, info=info,
                             state_dict=weights, expected_id=pid)  # fmt: skip
             storage.publish(out_checkpoint)
         else:
-            policy_cache.WRITER.submit(out_checkpoint, w.model, w.tokenizer, weights=weights,
+            policy_memo.WRITER.submit(out_checkpoint, w.model, w.tokenizer, weights=weights,
                                        trainer_state=state, info=info, expected_id=pid,
                                        on_done=storage.publish)  # fmt: skip
         return pid
@@ -190,7 +191,7 @@ def _save(
             w.tokenizer,
             out_checkpoint,
             trainer_state=state,
-            info={**info, **policy_cache.lora_info(w)},
+            info={**info, **policy_memo.lora_info(w)},
             state_dict=weights,
         )
         # the driver (and the next iteration's ranks) may be on another node
@@ -204,7 +205,7 @@ def _save(
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`update_from_file` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options, trained_policy=policy_cache.holding)
+    process.load_policies_with(model_options, trained_policy=policy_memo.holding)
     return update_from_file(**kwargs, data_parallel=data_parallel)
 
 
@@ -216,7 +217,7 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
 
     return runtime.executor().update(
         update_from_file,
-        functools.partial(update_on_rank, model_options=policy_cache.options()),
+        functools.partial(update_on_rank, model_options=policy_memo.options()),
         kwargs,
         what=f"{kwargs.get('stage', 'offline')} iteration {iteration} update",
         out_checkpoint=kwargs["out_checkpoint"],
@@ -225,12 +226,12 @@ def run_update(*, iteration: int, **kwargs) -> UpdateResult:
 
 def policy(path: str | Path, slot: str = "policy", *, mutate: bool = False, lora_base=None):
     """The policy of a checkpoint or an RL iteration's record: from memory or disk
-    (``policy_cache.get``), else, for a record whose weights were not kept, by replaying its
+    (``policy_memo.get``), else, for a record whose weights were not kept, by replaying its
     update from its parent (recursively, so from the nearest kept state) and checking that
     the replay gives the recorded weights."""
     try:
-        return policy_cache.get(path, slot, mutate=mutate, lora_base=lora_base)
-    except policy_cache.NotInMemory as e:
+        return policy_memo.get(path, slot, mutate=mutate, lora_base=lora_base)
+    except policy_memo.NotInMemory as e:
         gone = e  # (the except clause's name is cleared when it ends)
     ref = gone.ref
     logger(__name__).info(
@@ -243,7 +244,7 @@ def policy(path: str | Path, slot: str = "policy", *, mutate: bool = False, lora
         ref.parent,
     )
     got = replay(ref)
-    policy_cache.STATS["replays"] += 1
+    policy_memo.STATS["replays"] += 1
     if got != ref.policy_id:
         raise UserError(
             f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
@@ -252,7 +253,7 @@ def policy(path: str | Path, slot: str = "policy", *, mutate: bool = False, lora
             "states such reruns start from (rl.save_steps: 1 and a larger "
             "rl.save_total_limit), or rerun the stage with --force"
         )
-    return policy_cache.get(path, slot, mutate=mutate, lora_base=lora_base)
+    return policy_memo.get(path, slot, mutate=mutate, lora_base=lora_base)
 
 
 def replay(ref: PolicyRef) -> str:
@@ -318,10 +319,10 @@ def update(
     keep: bool = True,
 ) -> UpdateResult:
     """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
-    identity: tasks/policy_cache.py); ``seed`` seeds the RNGs at the stage's first step.
+    identity: tasks/policies/memo.py); ``seed`` seeds the RNGs at the stage's first step.
 
     ``ref_path`` (an RL stage's iteration): the update records its policy there
-    (tasks/policy_ref.py) and that record is its cached output, whether the weights were
+    (tasks/policies/ref.py) and that record is its cached output, whether the weights were
     written to ``out_checkpoint`` (``keep``: a save point) or stay in memory."""
     key = update_key(rl, policy_checkpoint, scored_path, reference_checkpoint,
                      global_step=global_step, total_steps=total_steps, seed=seed)  # fmt: skip
@@ -352,7 +353,7 @@ def update(
             iteration,
             len(out.history),
             last.get("loss", math.nan),
-            # sharded ranks measure the trained rows only (grpo_core/parallel.py); nan: every
+            # sharded ranks measure the trained rows only (grpo_core/training/parallel.py); nan: every
             # row of the last step was skipped and its entropy not measured
             *(
                 ("entropy", last["entropy"])
@@ -369,7 +370,7 @@ def update(
             out.policy_id, out.global_step, out_checkpoint if out.kept else None, replay_args
         )
         policy_ref.write_ref(ref_path, ref)
-        policy_cache.relabel(ref_path)
+        policy_memo.relabel(ref_path)
         return dataclasses.replace(out, checkpoint=ref_path)
 
     output = ref_path or out_checkpoint

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.run_folder import RUN_MARKER
+from grpo_core.contracts.run_folder import RUN_MARKER
 
 ROLLOUTS = "rollouts.parquet"
 SCORED = "scored.parquet"
@@ -55,7 +55,7 @@ class Workspace:
         return self.iteration_dir(stage, iteration) / "checkpoint"
 
     def policy_ref(self, stage: str, iteration: int) -> Path:
-        """The record of an RL iteration's new policy (tasks/policy_ref.py), kept or not."""
+        """The record of an RL iteration's new policy (tasks/policies/ref.py), kept or not."""
         return self.iteration_dir(stage, iteration) / "policy.json"
 
     def start_eval_table(self, stage: str) -> Path:

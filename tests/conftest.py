@@ -46,7 +46,7 @@ def tiny_llama():
 
 @pytest.fixture
 def tiny_model(tiny_checkpoint):
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint)
 

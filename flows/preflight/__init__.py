@@ -18,14 +18,14 @@ What is checked:
 - data files (``data.source: files``, ``--data``): they exist and parse, the data section's
   column mapping / template / preset applies to every row (not to ``--data``), every row has a
   ``prompt`` (and SFT rows a ``completion``) of the right type, no prompt is longer than
-  ``data.max_prompt_chars``, each column has one type (grpo_core/data.py)
+  ``data.max_prompt_chars``, each column has one type (grpo_core/contracts/prompts.py)
 - checkpoints (``model.path``, ``--policy``, ``--checkpoint``, the demo's base model when it
   exists): config.json parses, every ``*.safetensors`` header parses and the file is as long
   as its tensors need, the tokenizer files are there
 - ``grpo update``: the scored file's token ids are inside the policy's vocabulary, and the
   tokenizer fingerprint recorded at rollout time matches the policy's
 - lengths: every ``max_completion_length`` is below the model's positions, and every prompt
-  of the data files fits with it (tokenised with the model's tokenizer; grpo_core/context.py)
+  of the data files fits with it (tokenised with the model's tokenizer; grpo_core/engines/context.py)
 - the tracking store: an ``http(s)`` server answers ``GET /health`` within 5 s; a sqlite
   file is an SQLite database and it and its folder are writable
 - output folders (``output_dir``, the run folder, ``--out``) are writable and have space
@@ -111,7 +111,7 @@ def check_run(cfg) -> None:
         check_reward_columns(ev, cfg.data.eval_path, "data.eval_path", *eval_rewards(cfg))
         prompts["data.eval_path"] = (cfg.data.eval_path, ev)
     if cfg.model.source == "path":
-        from grpo_core.checkpoint import resolve_model_path
+        from grpo_core.training.checkpoint import resolve_model_path
 
         check_checkpoint(resolve_model_path(cfg.model.path), "model.path")
     else:
@@ -126,7 +126,7 @@ def check_run(cfg) -> None:
 def check_stage(command: str, args, cfg) -> None:
     """Everything ``grpo <command>`` needs (its ``--policy``, ``--data``, ``--rollouts``,
     ``--scored``, ``--checkpoint`` and ``--out``), checked before Prefect starts."""
-    from grpo_core.rollouts import ROLLOUT_COLUMNS
+    from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS
 
     check_outputs(cfg)
     cap = cfg.data.max_prompt_chars

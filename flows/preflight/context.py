@@ -1,4 +1,4 @@
-"""Pre-flight check of lengths against the model's context (grpo_core/context.py): every
+"""Pre-flight check of lengths against the model's context (grpo_core/engines/context.py): every
 ``max_completion_length`` leaves room for a prompt, and, for data files, every prompt's tokens
 plus the completion fit. The model's positions come from its config.json (``model.path``) or
 the demo model's settings; prompts are tokenised with its tokenizer (no weights are loaded)."""
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 
-from grpo_core.context import check_completion_length, check_prompt_lengths, model_context
+from grpo_core.engines.context import check_completion_length, check_prompt_lengths, model_context
 from grpo_core.errors import UserError
 
 
 def _model(cfg):
     """``(context, tokenizer loader)`` of the run's model."""
     if cfg.model.source == "path":
-        from grpo_core.checkpoint import resolve_model_path
+        from grpo_core.training.checkpoint import resolve_model_path
 
         path = resolve_model_path(cfg.model.path)
         try:
@@ -28,7 +28,7 @@ def _model(cfg):
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
         return model_context(config), tokenizer
-    from grpo_core.model_config import DEMO_CONTEXT
+    from grpo_core.config.model import DEMO_CONTEXT
 
     def demo_tokenizer():  # imports transformers: only when there are data files to check
         from grpo_core.demo.model import build_tokenizer
@@ -54,7 +54,7 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
         check_completion_length(n, context, field)
     if not data:
         return
-    from grpo_core.text import encode_prompt
+    from grpo_core.contracts.text import encode_prompt
 
     tok = tokenizer()
     longest = max(lengths["rl.max_completion_length"], lengths["rl_2.max_completion_length"])

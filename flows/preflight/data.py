@@ -13,9 +13,9 @@ from grpo_core.errors import UserError
 def check_data(
     path, field: str, required: tuple[str, ...], max_prompt_chars: int, mapping=None
 ) -> list[dict]:
-    """The rows of ``path`` after ``mapping`` (a ``grpo_core.columns.RowMapping``: the data
+    """The rows of ``path`` after ``mapping`` (a ``grpo_core.contracts.columns.RowMapping``: the data
     section's column mapping, template, preset and system prompt)."""
-    from grpo_core.data import load_rows
+    from grpo_core.contracts.prompts import load_rows
 
     if not path:
         raise UserError(f"{field}: not set")
@@ -77,7 +77,7 @@ def check_token_ids(scored, schema, policy, config: dict) -> None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from grpo_core.rollouts import META_KEY, tokenizer_fingerprint
+    from grpo_core.contracts.rollouts import META_KEY, tokenizer_fingerprint
 
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if isinstance(vocab, int):

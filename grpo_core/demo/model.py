@@ -12,7 +12,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_core.model_config import DEMO_CONTEXT
+from grpo_core.config.model import DEMO_CONTEXT
 
 PAD, UNK, EOS = "<|pad|>", "<|unk|>", "<|eos|>"
 USER, ASSISTANT = "<|user|>", "<|assistant|>"
@@ -85,7 +85,7 @@ def save_base_model(
     out_dir: str | Path, *, seed: int = 0, vocabulary: str = "addition", **model_kwargs
 ) -> Path:
     """Build tokenizer + model and ``save_pretrained`` both into ``out_dir``."""
-    from grpo_core.checkpoint import save_checkpoint
+    from grpo_core.training.checkpoint import save_checkpoint
 
     tokenizer = build_tokenizer(vocabulary)
     model = build_model(tokenizer, seed=seed, **model_kwargs)

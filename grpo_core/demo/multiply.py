@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 from grpo_core.demo.task import DemoSplits, split_rows
-from grpo_core.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
+from grpo_core.engines.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
 
 
 def tool_trace(a: int, b: int) -> str:

@@ -13,7 +13,7 @@ import random
 from collections.abc import Callable
 
 from grpo_core.demo.task import DemoSplits, split_rows
-from grpo_core.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
+from grpo_core.engines.environments import CALL_END, CALL_START, RESULT_END, RESULT_START
 
 NAMES = [
     ("Mia", "She"),

@@ -1,6 +1,6 @@
 """Rollout engines: one interface over Hugging Face ``generate`` and vLLM.
 
-An engine turns tokenised prompts into :class:`~grpo_core.generation.Sample` objects (ids,
+An engine turns tokenised prompts into :class:`~grpo_core.engines.generation.Sample` objects (ids,
 per-token sampling logprobs, finish reason) and, for engines that hold their own copy of
 the weights, takes the trainer's updated weights in memory between RL iterations::
 
@@ -30,7 +30,7 @@ from grpo_core.registry import Registry
 if TYPE_CHECKING:  # torch and generation load on first use: `grpo` cached reruns skip them
     import torch
 
-    from grpo_core.generation import Sample, SamplingParams
+    from grpo_core.engines.generation import Sample, SamplingParams
 
 
 @runtime_checkable
@@ -129,7 +129,7 @@ def greedy_probe(
 ) -> list[int]:
     """The greedy completion of ``probe_ids`` by ``generate_fn(prompts, params)`` (an engine's
     ``generate``, or the trainer model's): the one probe both sides of a sync run."""
-    from grpo_core.generation import SamplingParams
+    from grpo_core.engines.generation import SamplingParams
 
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     (sample,) = generate_fn([probe_ids], params)
@@ -138,7 +138,7 @@ def greedy_probe(
 
 def trainer_probe(model, tokenizer, probe_ids: list[int], max_new_tokens: int = PROBE_TOKENS):
     """What the trainer's ``model`` answers to the probe (the reference of a sync check)."""
-    from grpo_core.generation import generate
+    from grpo_core.engines.generation import generate
 
     def run(prompts, params):
         return generate(
@@ -185,7 +185,7 @@ def probe_sync(
 
 def default_probe(tokenizer) -> list[int]:
     """A short prompt every tokenizer can encode (chat template when it has one)."""
-    from grpo_core.text import encode_prompt
+    from grpo_core.contracts.text import encode_prompt
 
     text = "1+2="
     if getattr(tokenizer, "chat_template", None):
@@ -215,7 +215,7 @@ def sync_weights(
     when the engine takes adapters, else the merged weights); with ``check``, verify that the
     engine's greedy probe completion equals the model's and raise :class:`WeightSyncError`
     when it does not."""
-    from grpo_core import lora
+    from grpo_core.training import lora
 
     start = time.perf_counter()
     if getattr(engine, "takes_adapters", False):  # it holds the adapter's base weights
@@ -245,8 +245,8 @@ def _adapter_start(checkpoint, opts: dict, model, policy_id: str) -> tuple[str |
     adapters (``lora_sync: adapter`` and ``lora_rank``: the run's ``model.lora.r``): a LoRA
     ``model``'s base, or ``checkpoint`` itself for a plain model (a stage's first rollout
     samples the base its adapter will sit on); ``""`` for an engine that takes weights."""
-    from grpo_core import lora
-    from grpo_core.checkpoint import policy_id as weights_id
+    from grpo_core.training import lora
+    from grpo_core.training.checkpoint import policy_id as weights_id
 
     if opts.get("lora_sync") != "adapter" or not opts.get("lora_rank"):
         return checkpoint, ""
@@ -321,9 +321,9 @@ class WarmEngines:
 
 
 def __getattr__(name: str):
-    """``Sample`` and ``SamplingParams`` re-exported from grpo_core.generation on access."""
+    """``Sample`` and ``SamplingParams`` re-exported from grpo_core.engines.generation on access."""
     if name in ("Sample", "SamplingParams"):
-        from grpo_core import generation
+        from grpo_core.engines import generation
 
         return getattr(generation, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The ``hf`` engine: :func:`grpo_core.generation.generate` on a Hugging Face model.
+"""The ``hf`` engine: :func:`grpo_core.engines.generation.generate` on a Hugging Face model.
 
 It samples with the module it is given. Passed the trainer's own model (the warm policy),
 the weights are always current and :meth:`HFEngine.update_weights` has nothing to copy.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from grpo_core.config import DEFAULT_MAX_BATCH_TOKENS
-from grpo_core.generation import Sample, SamplingParams, generate
+from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
+from grpo_core.engines.generation import Sample, SamplingParams, generate
 
 
 class HFEngine:
@@ -31,7 +31,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_batch_tokens = max_batch_tokens
-        self.decode = decode  # grpo_core.generation.generate's decode loop
+        self.decode = decode  # grpo_core.engines.generation.generate's decode loop
         self.last_decode: str | None = None  # the loop the last generate() ran
 
     @classmethod
@@ -47,7 +47,7 @@ class HFEngine:
         if model is None or tokenizer is None:
             if checkpoint is None:
                 raise ValueError("hf engine: give model and tokenizer, or a checkpoint")
-            from grpo_core.checkpoint import load_checkpoint
+            from grpo_core.training.checkpoint import load_checkpoint
 
             dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
             model, tokenizer = load_checkpoint(checkpoint, dtype=dtype)

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from grpo_core.generation import Sample, SamplingParams
+from grpo_core.engines.generation import Sample, SamplingParams
 
 INSTALL_HINT = (
     "the vllm rollout engine needs vLLM: pip install 'grpo-pipeline[vllm]' on a GPU "
@@ -252,7 +252,7 @@ class VLLMEngine:
     def update_adapter(self, model) -> None:
         """Take ``model``'s LoRA adapter (a peft model on the base this engine started on):
         saved to a folder of the engine's, then named by every later request."""
-        from grpo_core import lora
+        from grpo_core.training import lora
 
         if not self._adapters:
             self._dir = Path(tempfile.mkdtemp(prefix="grpo-vllm-lora-"))

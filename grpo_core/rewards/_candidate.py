@@ -13,7 +13,7 @@ verdict: no nonce, no verdict pipe, no test. Before it reads the program it lock
    reply pipe and could forge a reply on it). Otherwise the reply says whether it raised and
    what each name of ``names``
    (the names the tests take from the program) is: ``"callable"``, a plain value, or why not.
-   With ``"capture": N`` (a tool call, grpo_core/environments.py) the program runs as
+   With ``"capture": N`` (a tool call, grpo_core/engines/environments.py) the program runs as
    ``__main__`` with its stdout and stderr kept in memory (the first N characters), the
    reply carries them as ``"output"``, and the process ends: an observation, not a verdict;
 2. each further request ``{"name", "args", "kwargs"}`` calls that name with the decoded

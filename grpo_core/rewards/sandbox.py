@@ -86,7 +86,7 @@ def run_program(
     """Run ``program`` in the sandbox, then its tests.
 
     kind: "run" (program only, as ``__main__``), "tool" (program only, as ``__main__``, what
-        it prints returned as ``RunResult.output``: grpo_core/environments.py), "humaneval"
+        it prints returned as ``RunResult.output``: grpo_core/engines/environments.py), "humaneval"
         (``tests`` defines
         ``check(candidate)``, called with ``entry_point``), "asserts" (``tests`` is a list of
         assert statements, MBPP style), "script" (``tests`` is code with asserts).

@@ -6,7 +6,7 @@ is ``None``. Coroutine functions are awaited concurrently with each other.
 
 ``total`` follows TRL: the weighted ``nansum`` over the functions that gave a number for the
 row; a row where every function gave ``None`` (or failed) is unscorable and totals ``None``
-(one rule, ``grpo_core.advantages.weighted_reward_sum``, shared with the advantages).
+(one rule, ``grpo_core.algorithm.advantages.weighted_reward_sum``, shared with the advantages).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class ScoreResult:
     def metrics(self) -> dict[str, float]:
         """Per-function metrics with TRL's names: ``rewards/<fn>/mean``, ``/std`` (over the rows
         the function scored) and ``rewards/<fn>/error_rate``. The batch's ``reward`` and
-        ``reward_std`` come from ``grpo_core.advantages.group_stats``, with the group metrics."""
+        ``reward_std`` come from ``grpo_core.algorithm.advantages.group_stats``, with the group metrics."""
         out: dict[str, float] = {}
         for name, scores in self.per_function.items():
             mean, std = _mean_std([s for s in scores if s is not None])
@@ -255,7 +255,7 @@ def reward_matrix(
     per_function: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], n: int
 ):
     """``(rewards_per_func[N, K], weights[K])`` as float64 tensors in ``weights`` order, NaN
-    where a function gave ``None``: the input of ``grpo_core.advantages.compute_multi``."""
+    where a function gave ``None``: the input of ``grpo_core.algorithm.advantages.compute_multi``."""
     import torch  # here: importing the reward library stays light
 
     names = list(weights)
@@ -270,7 +270,7 @@ def weighted_total(
     per_function: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], n: int
 ) -> list[float | None]:
     """Per-row weighted sum of the scores, ``None`` for unscorable rows (see module doc)."""
-    from grpo_core.advantages import weighted_reward_sum
+    from grpo_core.algorithm.advantages import weighted_reward_sum
 
     total = weighted_reward_sum(*reward_matrix(per_function, weights, n))  # [N]
     return [None if math.isnan(t) else t for t in total.tolist()]

@@ -12,9 +12,9 @@ import torch
 
 from cluster.engine_process import EngineProcessError
 from cluster.executor import Local
-from grpo_core.checkpoint import load_checkpoint
-from grpo_core.generation import SamplingParams
-from grpo_core.turns import SampleRequest
+from grpo_core.engines.generation import SamplingParams
+from grpo_core.engines.turns import SampleRequest
+from grpo_core.training.checkpoint import load_checkpoint
 
 
 def _policy(path, pid: str):
@@ -102,8 +102,8 @@ def test_a_lora_policy_samples_in_the_child_with_its_adapter(tiny_checkpoint, on
     pytest.importorskip("peft")
     from types import SimpleNamespace
 
-    from grpo_core.config import LoraConfig
-    from grpo_core.lora import attach_adapter
+    from grpo_core.config.stages import LoraConfig
+    from grpo_core.training.lora import attach_adapter
 
     executor = Local()
     try:
@@ -133,9 +133,9 @@ from cluster.executor import Local
 
 
 def main():
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.generation import SamplingParams
-    from grpo_core.turns import SampleRequest
+    from grpo_core.training.checkpoint import load_checkpoint
+    from grpo_core.engines.generation import SamplingParams
+    from grpo_core.engines.turns import SampleRequest
     from types import SimpleNamespace
 
     model, tok = load_checkpoint({ckpt!r})

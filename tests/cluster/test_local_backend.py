@@ -33,7 +33,7 @@ def test_the_local_backend_never_imports_ray(tiny_checkpoint, tmp_path):
 
 def test_adapter_sync_engines_get_the_runs_lora_rank():
     from cluster.executor import with_lora_rank
-    from grpo_core.config import ModelConfig
+    from grpo_core.config.stages import ModelConfig
 
     lora = ModelConfig(lora={"r": 16, "alpha": 32})
     assert with_lora_rank({"lora_sync": "adapter"}, lora)["lora_rank"] == 16

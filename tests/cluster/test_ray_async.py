@@ -12,7 +12,7 @@ from test_ray_pipeline import RAY, _run
 
 from cluster import rollout_workers
 from flows.rl_schedule import sampling_index
-from tasks import policy_ref
+from tasks.policies import ref as policy_ref
 from tasks.workspace import Workspace
 
 ITERATIONS = 3

@@ -14,7 +14,7 @@ import pytest
 
 from cluster import rollout_workers, trainer_group
 from flows.config import CHECKPOINT_STAGES, load_config
-from grpo_core.rollouts import ROLLOUT_COLUMNS, SCORED_COLUMNS
+from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS, SCORED_COLUMNS
 from tasks.workspace import Workspace
 
 
@@ -52,14 +52,14 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
 
     store = tmp_path / "store"  # storage.url: the run folder also mirrored (cluster/storage.py)
-    policy_cache.clear()
-    loads = policy_cache.STATS["loads"]
+    policy_memo.clear()
+    loads = policy_memo.STATS["loads"]
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     # the driver held no policy: the ranks trained, the replicas loaded each new checkpoint
-    assert policy_cache.STATS["loads"] == loads and policy_cache.warm() is None
+    assert policy_memo.STATS["loads"] == loads and policy_memo.warm() is None
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
     # the RL update's policy reached the replicas from trainer rank 0 over the weight bus

@@ -13,7 +13,7 @@ from cluster_support import ray_cluster
 
 from cluster import rollout_workers, runtime
 from cluster.config import ClusterConfig
-from grpo_core.rollouts import ROLLOUT_COLUMNS
+from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS
 
 ROWS = [{"prompt": f"{a}+{a + 3}=", "answer": str(2 * a + 3)} for a in range(7)]
 KNOBS = {"num_generations": 3, "max_completion_length": 12, "iteration": 3, "seed": 11}
@@ -87,7 +87,7 @@ def test_each_shard_samples_with_its_derived_seed(ray_head, tiny_checkpoint, tmp
 def test_new_weights_reach_every_replica(ray_head, tiny_checkpoint, tmp_path):
     import torch
 
-    from grpo_core.checkpoint import load_checkpoint, policy_id, save_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint, policy_id, save_checkpoint
 
     model, tok = load_checkpoint(tiny_checkpoint)
     with torch.no_grad():
@@ -150,11 +150,11 @@ def test_a_killed_replica_is_replaced_and_its_shard_redone(ray_head, tiny_checkp
 
 
 def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_checkpoint, tmp_path):
-    from grpo_core.checkpoint import load_checkpoint, policy_id
-    from grpo_core.generation import SamplingParams
-    from grpo_core.text import encode_prompt
-    from grpo_core.turns import SampleRequest
-    from tasks import policy_cache
+    from grpo_core.contracts.text import encode_prompt
+    from grpo_core.engines.generation import SamplingParams
+    from grpo_core.engines.turns import SampleRequest
+    from grpo_core.training.checkpoint import load_checkpoint, policy_id
+    from tasks.policies import memo as policy_memo
 
     model, tok = load_checkpoint(tiny_checkpoint)
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in ROWS]
@@ -166,7 +166,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
             prompt_ids,
             SampleRequest(
                 params,
-                load_options=policy_cache.options().load_kwargs(trainer=False),  # as the task
+                load_options=policy_memo.options().load_kwargs(trainer=False),  # as the task
                 desc="rl_1 it3 rollout",
             ),
             checkpoint=str(tiny_checkpoint),

@@ -278,9 +278,9 @@ def test_sft_on_the_trainer_group_is_the_one_process_sft(
     import json
 
     from cluster import runtime, trainer_group
-    from grpo_core.config import SFTConfig
+    from grpo_core.config.stages import SFTConfig
     from grpo_core.demo.task import make_splits
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
     from tasks.sft import run_sft
 
     rows = make_splits(digits=2, n_sft=20, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
@@ -291,7 +291,7 @@ def test_sft_on_the_trainer_group_is_the_one_process_sft(
                   data_path=str(data), cfg=cfg)  # fmt: skip
 
     runtime.configure(ClusterConfig())
-    policy_cache.clear()
+    policy_memo.clear()
     local: list = []  # the one-process run's per-step metrics, as it logs them live
     restored: list = []  # the ranks': handed to the driver with rank 0's result
     one = run_sft(**kwargs, out_checkpoint=str(tmp_path / "one"),
@@ -306,7 +306,7 @@ def test_sft_on_the_trainer_group_is_the_one_process_sft(
     finally:
         trainer_group.release()
         runtime.configure(ray_trainers)
-        policy_cache.clear()
+        policy_memo.clear()
     assert len(set(pids)) == 2 and os.getpid() not in pids  # trained on the actors
     assert two.steps == one.steps == 4 and two.history is None
     assert [h["loss"] for h in restored] == pytest.approx([h["loss"] for h in local], rel=1e-5)

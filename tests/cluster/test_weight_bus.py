@@ -16,7 +16,7 @@ from cluster_support import scored_file
 from cluster import rollout_workers, runtime, weight_bus
 from cluster.config import ClusterConfig
 from flows.config import load_config
-from grpo_core.distributed import free_port
+from grpo_core.training.distributed import free_port
 
 E = weight_bus.Entry
 
@@ -126,9 +126,9 @@ def ray_roles(ray_head):
 def test_replicas_take_the_trainers_weights_over_the_bus(
     ray_roles, ray_head, tiny_checkpoint, tmp_path, strategy
 ):
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
 
-    loads = policy_cache.STATS["loads"]
+    loads = policy_memo.STATS["loads"]
     res = _update_then_sample(_cluster(strategy), tiny_checkpoint, tmp_path)
     (group,) = rollout_workers.groups()
     sync = group.weight_syncs[-1]
@@ -136,7 +136,7 @@ def test_replicas_take_the_trainers_weights_over_the_bus(
     assert sync["bytes"] > 0 and group.replaced == 0
     ids = ray_head.get([a.weights_id.remote() for a in group.actors])
     assert ids == [res.policy_id] * 2  # bit for bit the trainer's (and the checkpoint's)
-    assert policy_cache.STATS["loads"] == loads  # the driver loaded no model
+    assert policy_memo.STATS["loads"] == loads  # the driver loaded no model
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""grpo_core.advantages: hand-computed values, loop-vs-vectorised, properties."""
+"""grpo_core.algorithm.advantages: hand-computed values, loop-vs-vectorised, properties."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_core import advantages as A
+from grpo_core.algorithm import advantages as A
 
 NAN = float("nan")
 

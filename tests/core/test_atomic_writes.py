@@ -1,4 +1,4 @@
-"""``grpo_core.io.atomic_path`` after a kill mid-write (issue 44): the temporaries of a process
+"""``grpo_core.contracts.io.atomic_path`` after a kill mid-write (issue 44): the temporaries of a process
 that is gone are removed by the next write of the same target, and a previous version moved
 aside just before the kill is put back, never lost."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from grpo_core.io import atomic_path
+from grpo_core.contracts.io import atomic_path
 
 
 def _dead_pid() -> int:

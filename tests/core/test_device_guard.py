@@ -7,7 +7,7 @@ the live rows and the engine correction's sampling log-probs). This walks the so
 ``device=`` and any ``.cpu()``, unless the function is in ``ALLOWED`` with the reason it is
 safe. The ``*_like`` factories take their device from their argument and are not listed.
 A new entry needs a reason a reviewer can check: host data that crosses in
-``UpdateBatch.to`` (``grpo_core/update.py``), a value read back as Python numbers, or a copy
+``UpdateBatch.to`` (``grpo_core/algorithm/update.py``), a value read back as Python numbers, or a copy
 meant for the host (checkpoints, hashes, shared memory).
 """
 
@@ -25,17 +25,17 @@ FACTORIES = {
 
 HOST_DATA = "host data read from a file or a table; the update moves it in UpdateBatch.to"
 ALLOWED = {
-    "grpo_core/batch.py::build_batch": HOST_DATA,
+    "grpo_core/contracts/batch.py::build_batch": HOST_DATA,
     "grpo_core/rewards/scoring.py::reward_matrix": "rewards of host-side reward functions",
-    "grpo_core/sft.py::collate": "host batch; the SFT loop moves it with .to(model.device)",
-    "grpo_core/losses.py::micro_batch_counts": "only for an empty list, which has no device",
-    "grpo_core/distributed.py::fill_missing_gradients": "flags built on the host, moved to "
+    "grpo_core/training/sft.py::collate": "host batch; the SFT loop moves it with .to(model.device)",
+    "grpo_core/algorithm/losses.py::micro_batch_counts": "only for an empty list, which has no device",
+    "grpo_core/training/distributed.py::fill_missing_gradients": "flags built on the host, moved to "
     "the collective's device, read back as a Python list",
-    "grpo_core/distributed.py::broadcast_parameters": "copies back into host-resident state",
-    "grpo_core/distributed.py::row_share": "row bounds read back as Python ints",
-    "grpo_core/fsdp.py::agree": "forward counts read back as a Python list",
-    "grpo_core/fsdp.py::full_state_dict": "the unsharded weights for a checkpoint on the host",
-    "grpo_core/weights_id.py::state_dict_id": "bytes for a content hash",
+    "grpo_core/training/distributed.py::broadcast_parameters": "copies back into host-resident state",
+    "grpo_core/training/distributed.py::row_share": "row bounds read back as Python ints",
+    "grpo_core/training/fsdp.py::agree": "forward counts read back as a Python list",
+    "grpo_core/training/fsdp.py::full_state_dict": "the unsharded weights for a checkpoint on the host",
+    "grpo_core/training/weights_id.py::state_dict_id": "bytes for a content hash",
     "cluster/engine_process.py::pack": "shared-memory buffer the engine process maps",
     "cluster/weight_bus.py::nbytes": "a 0-d tensor for its element size",
     "cluster/rollout_workers.py::sync": "weights put in Ray's object store (host memory)",

@@ -11,11 +11,11 @@ import pyarrow as pa
 import pytest
 import torch
 
-from grpo_core import advantages as A
-from grpo_core.generation import Sample
-from grpo_core.rollouts import group_ids, rollout_table
-from grpo_core.sampling_filters import dynamic_sampling_mask
-from grpo_core.update import build_batch
+from grpo_core.algorithm import advantages as A
+from grpo_core.algorithm.sampling_filters import dynamic_sampling_mask
+from grpo_core.algorithm.update import build_batch
+from grpo_core.contracts.rollouts import group_ids, rollout_table
+from grpo_core.engines.generation import Sample
 
 F64 = torch.float64
 

@@ -1,11 +1,15 @@
-"""grpo_core.importance: old-logprob rule and the rollout-engine correction."""
+"""grpo_core.algorithm.importance: old-logprob rule and the rollout-engine correction."""
 
 import math
 
 import pytest
 import torch
 
-from grpo_core.importance import engine_importance_weights, needs_old_logprobs, resolve_old_logprobs
+from grpo_core.algorithm.importance import (
+    engine_importance_weights,
+    needs_old_logprobs,
+    resolve_old_logprobs,
+)
 
 
 def test_needs_old_logprobs():
@@ -89,7 +93,7 @@ def _areal_reference(prox, samp, mask, cap, mode):
 @pytest.mark.parametrize("mode", ["token_mask", "token_truncate"])
 @pytest.mark.parametrize("kl", [0.004, 0.5])
 def test_behaviour_weights_equal_a_float64_reference_of_areal(mode, kl):
-    from grpo_core.importance import behaviour_weights
+    from grpo_core.algorithm.importance import behaviour_weights
 
     prox, samp, mask = _stale_batch(rows=16, tokens=512, kl=kl)
     w, m = behaviour_weights(prox.float(), samp.float(), mask.float(), mode=mode, cap=5.0)
@@ -106,7 +110,7 @@ def test_token_level_weights_do_not_collapse_on_long_completions():
     product over the completion) has a median near 1e-7 and an ESS of about 1% of the batch,
     while clipped_share reads 0; the token-level behaviour weight keeps ESS near 1, and both
     now log the ESS and the near-zero share that show the collapse."""
-    from grpo_core.importance import behaviour_weights, engine_importance_weights
+    from grpo_core.algorithm.importance import behaviour_weights, engine_importance_weights
 
     prox, samp, mask = _stale_batch()
     full = torch.ones_like(mask, dtype=torch.float32)
@@ -122,8 +126,8 @@ def test_token_level_weights_do_not_collapse_on_long_completions():
 
 
 def test_behaviour_weight_runs_in_the_update_and_refuses_double_weighting(tiny_model):
-    from grpo_core.loss_config import BehaviourWeight, EngineCorrection, UpdateConfig
-    from grpo_core.update import build_batch, grpo_update
+    from grpo_core.algorithm.update import build_batch, grpo_update
+    from grpo_core.config.loss import BehaviourWeight, EngineCorrection, UpdateConfig
 
     model, tok = tiny_model
     prompts = [[3, 12, 13, 4]] * 4

@@ -1,4 +1,4 @@
-"""One GRPO iteration as plain calls (grpo_core/iteration.py), as a notebook runs it, and
+"""One GRPO iteration as plain calls (grpo_core/algorithm/iteration.py), as a notebook runs it, and
 the same iteration through the stage tasks' files: the tasks add caching, Parquet and the
 executor, not algorithm, so both give the same scores and the same new weights."""
 
@@ -7,16 +7,16 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core import iteration
-from grpo_core.checkpoint import load_checkpoint, policy_id
-from grpo_core.config import RLConfig
+from grpo_core.algorithm import iteration
+from grpo_core.config.stages import RLConfig
+from grpo_core.contracts.io import write_parquet
+from grpo_core.contracts.scored_batch import ScoredRows
 from grpo_core.demo.task import make_splits
 from grpo_core.engines.hf import HFEngine
-from grpo_core.io import write_parquet
-from grpo_core.scored_batch import ScoredRows
-from grpo_core.train_state import TrainState
-from grpo_core.weights_id import savable_state_dict, state_dict_id
-from tasks import policy_cache
+from grpo_core.training.checkpoint import load_checkpoint, policy_id
+from grpo_core.training.train_state import TrainState
+from grpo_core.training.weights_id import savable_state_dict, state_dict_id
+from tasks.policies import memo as policy_memo
 from tasks.score import score_file
 from tasks.update import update_from_file
 
@@ -26,7 +26,7 @@ WEIGHTS = {"accuracy": 1.0, "tag_count": 1.0}  # a random model writes some tags
 
 
 def _notebook(checkpoint, rows):
-    """The example of grpo_core/iteration.py's docstring."""
+    """The example of grpo_core/algorithm/iteration.py's docstring."""
     model, tok = load_checkpoint(checkpoint)
     engine = HFEngine(model=model, tokenizer=tok)
     start = policy_id(checkpoint)
@@ -57,9 +57,9 @@ def test_an_iteration_runs_as_plain_calls_and_as_the_stage_tasks(tiny_checkpoint
         assert on_disk.column(col).to_pylist() == scored.table.column(col).to_pylist()
     assert out.metrics["reward"] == pytest.approx(scored.metrics["reward"])
     try:
-        policy_cache.clear()
+        policy_memo.clear()
         res = update_from_file(str(tiny_checkpoint), str(scored_path), str(tmp_path / "ck"), RL)
         assert res.policy_id == after  # bit for bit the notebook's weights
         assert [h["loss"] for h in res.history] == [h["loss"] for h in update.history]
     finally:
-        policy_cache.clear()
+        policy_memo.clear()

@@ -1,11 +1,11 @@
-"""grpo_core.kl: the three estimators by hand."""
+"""grpo_core.algorithm.kl: the three estimators by hand."""
 
 import math
 
 import pytest
 import torch
 
-from grpo_core.kl import KL_ESTIMATORS, kl_divergence
+from grpo_core.algorithm.kl import KL_ESTIMATORS, kl_divergence
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,11 @@
-"""``grpo_core.io.link_tree``: a directory copy whose files are hard links (a stage's final
+"""``grpo_core.contracts.io.link_tree``: a directory copy whose files are hard links (a stage's final
 checkpoint shares its last iteration's files), with a real copy where links cannot be made."""
 
 import os
 
 import pytest
 
-from grpo_core.io import link_tree
+from grpo_core.contracts.io import link_tree
 
 
 def _tree(root):

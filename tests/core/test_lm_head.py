@@ -1,11 +1,11 @@
-"""grpo_core.lm_head: log-probs through the LM head in chunks equal the full-logits path, in
+"""grpo_core.logprobs.lm_head: log-probs through the LM head in chunks equal the full-logits path, in
 values and in the gradients of the hidden states, the head's weight and its bias."""
 
 import pytest
 import torch
 
-from grpo_core.lm_head import linear_token_logprobs
-from grpo_core.logprobs import naive_token_logprobs
+from grpo_core.logprobs.lm_head import linear_token_logprobs
+from grpo_core.logprobs.tokens import naive_token_logprobs
 
 
 def naive_linear_token_logprobs(hidden, weight, labels, *, bias=None, **kw):

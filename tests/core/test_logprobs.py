@@ -1,9 +1,9 @@
-"""grpo_core.logprobs: chunked gather-minus-logsumexp equals the full log-softmax."""
+"""grpo_core.logprobs.tokens: chunked gather-minus-logsumexp equals the full log-softmax."""
 
 import pytest
 import torch
 
-from grpo_core.logprobs import naive_token_logprobs, token_logprobs
+from grpo_core.logprobs.tokens import naive_token_logprobs, token_logprobs
 
 
 def batch(B, T, V, seed, dtype=torch.float32, ignore=True):

@@ -1,4 +1,4 @@
-"""grpo_core.losses: hand-computed values, an independent float64 reference, properties."""
+"""grpo_core.algorithm.losses: hand-computed values, an independent float64 reference, properties."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_core.losses import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, policy_loss
+from grpo_core.algorithm.losses import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, policy_loss
 
 LOSS_TYPES = ["grpo", "bnpo", "dapo", "dr_grpo"]
 
@@ -376,8 +376,8 @@ def test_library_configs_refuse_what_the_rl_section_refuses():
     its cap, the clip objective's bounds with cispo, a dual-clip bound <= 1."""
     import pytest as _pytest
 
-    from grpo_core.loss_config import LossConfig
-    from grpo_core.losses import policy_loss
+    from grpo_core.algorithm.losses import policy_loss
+    from grpo_core.config.loss import LossConfig
 
     with _pytest.raises(ValueError, match="needs epsilon_high"):
         LossConfig(objective="cispo")

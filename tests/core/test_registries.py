@@ -10,14 +10,15 @@ from pydantic import ValidationError
 
 from flows.preflight.rewards import check_reward_columns, check_sandbox, load_reward
 from flows.rl_report import model_answer
-from grpo_core import evaluation, rewards
+from grpo_core import rewards
+from grpo_core.algorithm import evaluation
+from grpo_core.algorithm.losses import ObjectiveOut, policy_loss
+from grpo_core.algorithm.micro_batch import skips_zero_loss_rows
+from grpo_core.config.loss import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, LossConfig, UpdateConfig
+from grpo_core.config.rl import RLConfig
 from grpo_core.errors import UserError
-from grpo_core.loss_config import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, LossConfig, UpdateConfig
-from grpo_core.losses import ObjectiveOut, policy_loss
-from grpo_core.micro_batch import skips_zero_loss_rows
 from grpo_core.rewards import code
 from grpo_core.rewards.isolation import SandboxUnavailable
-from grpo_core.rl_config import RLConfig
 
 REWARD = "toy_registry_reward"
 OBJECTIVE = "toy_registry_entropy_bonus"
@@ -51,7 +52,9 @@ def toy_loss():
         none = torch.zeros_like(loss, dtype=torch.bool)
         return ObjectiveOut(loss, none, none)
 
-    LOSS_AGGREGATIONS.add(AGGREGATION, "grpo_core.losses:agg_bnpo")  # by path, as built-ins
+    LOSS_AGGREGATIONS.add(
+        AGGREGATION, "grpo_core.algorithm.losses:agg_bnpo"
+    )  # by path, as built-ins
     yield entropy_bonus
     POLICY_OBJECTIVES.remove(OBJECTIVE)
     LOSS_AGGREGATIONS.remove(AGGREGATION)

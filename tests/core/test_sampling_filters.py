@@ -1,9 +1,9 @@
-"""grpo_core.sampling_filters: DAPO filters and the entropy mask."""
+"""grpo_core.algorithm.sampling_filters: DAPO filters and the entropy mask."""
 
 import pytest
 import torch
 
-from grpo_core.sampling_filters import (
+from grpo_core.algorithm.sampling_filters import (
     dynamic_sampling_mask,
     mask_truncated_completions,
     top_entropy_mask,

@@ -1,4 +1,4 @@
-"""The multi-turn seam (grpo_core/turns.py): one request type through every sampling path,
+"""The multi-turn seam (grpo_core/engines/turns.py): one request type through every sampling path,
 one turn loop above the engines, and a per-token loss mask from the sample through Parquet
 into the update's batch. Today's episodes are one model turn: no mask, no extra columns."""
 
@@ -9,13 +9,13 @@ import pickle
 import pyarrow.parquet as pq
 import torch
 
-from grpo_core.checkpoint import load_checkpoint
+from grpo_core.contracts.io import write_parquet
+from grpo_core.contracts.rollouts import rollout_table
+from grpo_core.contracts.scored_batch import ScoredRows
+from grpo_core.engines.generation import Sample, SamplingParams
 from grpo_core.engines.hf import HFEngine
-from grpo_core.generation import Sample, SamplingParams
-from grpo_core.io import write_parquet
-from grpo_core.rollouts import rollout_table
-from grpo_core.scored_batch import ScoredRows
-from grpo_core.turns import SampleRequest, run_turns
+from grpo_core.engines.turns import SampleRequest, run_turns
+from grpo_core.training.checkpoint import load_checkpoint
 from tasks.score import score_file
 
 ROWS = [{"prompt": "12+34=", "answer": "46"}, {"prompt": "5+6=", "answer": "11"}]

@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grpo_core import checkpoint as ckpt
-from grpo_core.checkpoint import POLICY_ID, load_checkpoint, policy_id, save_checkpoint
-from grpo_core.checkpoint_writer import CheckpointWriter
-from grpo_core.weights_id import files_id, savable_state_dict, state_dict_id
+from grpo_core.training import checkpoint as ckpt
+from grpo_core.training.checkpoint import POLICY_ID, load_checkpoint, policy_id, save_checkpoint
+from grpo_core.training.checkpoint_writer import CheckpointWriter
+from grpo_core.training.weights_id import files_id, savable_state_dict, state_dict_id
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo_core.checkpoint import load_checkpoint
-from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
-from grpo_core.update import build_batch, grpo_update
+from grpo_core.algorithm.update import build_batch, grpo_update
+from grpo_core.config.loss import EngineCorrection, LossConfig, UpdateConfig
+from grpo_core.training.checkpoint import load_checkpoint
 
 PROMPT = [3, 12, 13, 4]
 COMPLETIONS = [
@@ -66,7 +66,7 @@ def cases() -> dict[str, dict]:
         ),
         loss=dict(loss_type="dapo"),
     )
-    # groups without reward variance (advantage 0) are skipped (grpo_core.update): micro-batches
+    # groups without reward variance (advantage 0) are skipped (grpo_core.algorithm.update): micro-batches
     # [g0 g1][g2 g3][g4][g5]; rank 1 skips all its rows of the first optimizer step, and with
     # "all-zero-step" every rank skips every row of the second (AdamW still steps)
     zero = [0.0] * 12
@@ -101,8 +101,8 @@ def run_case(
 ) -> tuple[dict, list[dict]]:
     """One update from the checkpoint: the new weights and the metrics history. ``mode``
     ``gpu-defaults``: gradient checkpointing on and the optimizers' multi-tensor path forced
-    on (CUDA's default), through the project's parameter groups (grpo_core/optim.py)."""
-    from grpo_core.optim import build_optimizer, param_groups
+    on (CUDA's default), through the project's parameter groups (grpo_core/training/optim.py)."""
+    from grpo_core.training.optim import build_optimizer, param_groups
 
     case = cases()[name]
     model, tok = load_checkpoint(checkpoint)
@@ -117,7 +117,7 @@ def run_case(
     else:
         opt = torch.optim.SGD(param_groups(list(model.parameters())), lr=0.5, foreach=gpu)
     # replicas measure the entropy of every row, as one process (TRL's headline entropy);
-    # sharded ranks that of the rows that ran only (grpo_core/parallel.py: ranks_prepare)
+    # sharded ranks that of the rows that ran only (grpo_core/training/parallel.py: ranks_prepare)
     if skipped_entropy is None:
         skipped_entropy = not (data_parallel is not None and data_parallel.sharded)
     update = {"entropy_of_skipped_rows": skipped_entropy, **case["update"]}
@@ -152,7 +152,7 @@ def spawn_all(fn, world: int, checkpoint: str, out_dir, modes=("plain",)) -> lis
     """Every case on ``world`` spawned ranks (``fn``: :func:`run_all` or
     :func:`run_all_sharded`); each rank's ``{(name, mode): (weights, history)}``, in rank
     order."""
-    from grpo_core.distributed import spawn
+    from grpo_core.training.distributed import spawn
 
     spawn(fn, world, checkpoint, list(cases()), str(out_dir), tuple(modes))
     return [torch.load(f"{out_dir}/rank{r}.pt") for r in range(world)]
@@ -161,8 +161,8 @@ def spawn_all(fn, world: int, checkpoint: str, out_dir, modes=("plain",)) -> lis
 def run_all_sharded(
     data_parallel, checkpoint: str, names: list[str], out_dir: str, modes=("plain",)
 ) -> None:
-    """:func:`run_all` with the decoder layers sharded (FSDP2, grpo_core/fsdp.py)."""
-    from grpo_core.fsdp import ShardedDataParallel
+    """:func:`run_all` with the decoder layers sharded (FSDP2, grpo_core/training/fsdp.py)."""
+    from grpo_core.training.fsdp import ShardedDataParallel
 
     run_all(ShardedDataParallel(data_parallel.group), checkpoint, names, out_dir, modes)
 
@@ -219,9 +219,9 @@ def gather_memory(data_parallel, checkpoint: str, out_dir: str) -> None:
     the peak is reset first) and what it received."""
     import gc
 
-    from grpo_core.fsdp import ShardedDataParallel
-    from grpo_core.optim import build_optimizer
-    from grpo_core.train_state import TrainState
+    from grpo_core.training.fsdp import ShardedDataParallel
+    from grpo_core.training.optim import build_optimizer
+    from grpo_core.training.train_state import TrainState
 
     dp = ShardedDataParallel(data_parallel.group)
     model, _ = load_checkpoint(checkpoint)
@@ -257,7 +257,7 @@ BF16_CASE = dict(loss=dict(loss_type="dapo"), update=dict(steps_per_generation=2
 def bf16_update(checkpoint: str, data_parallel=None) -> dict:
     """One bf16-autocast update (AdamW) of 6 groups; with ``data_parallel`` (a sharded rank)
     the dtypes its layers ran in and its shards and gradients hold."""
-    from grpo_core.optim import build_optimizer
+    from grpo_core.training.optim import build_optimizer
 
     model, tok = load_checkpoint(checkpoint)
     seen: set = set()
@@ -281,8 +281,8 @@ def bf16_update(checkpoint: str, data_parallel=None) -> dict:
 def auto_decisions(model) -> dict:
     """What the ``auto`` rules decide for a file the hf engine sampled in float32 with the
     policy being updated, as they see ``model`` (its compute dtype) without autocast."""
-    from grpo_core.checkpoint import compute_dtype_name
-    from grpo_core.old_logprobs import engine_correction_choice, old_logprobs_source
+    from grpo_core.logprobs.old import engine_correction_choice, old_logprobs_source
+    from grpo_core.training.checkpoint import compute_dtype_name
 
     meta = {"engine": "hf", "dtype": "float32", "sampling": {"temperature": 1.0}}
     dtype = compute_dtype_name(model)
@@ -293,7 +293,7 @@ def auto_decisions(model) -> dict:
 
 
 def run_bf16_sharded(data_parallel, checkpoint: str, out_dir: str) -> None:
-    from grpo_core.fsdp import ShardedDataParallel
+    from grpo_core.training.fsdp import ShardedDataParallel
 
     dp = ShardedDataParallel(data_parallel.group, param_dtype="bfloat16")
     torch.save(bf16_update(checkpoint, dp), f"{out_dir}/bf16-rank{dp.rank}.pt")

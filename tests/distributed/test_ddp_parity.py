@@ -10,10 +10,10 @@ import pytest
 import torch
 from ddp_cases import batch, cases, run_all, run_case, spawn_all
 
-from grpo_core.checkpoint import load_checkpoint
-from grpo_core.distributed import DataParallel, process_group
-from grpo_core.loss_config import UpdateConfig
-from grpo_core.update import grpo_update
+from grpo_core.algorithm.update import grpo_update
+from grpo_core.config.loss import UpdateConfig
+from grpo_core.training.checkpoint import load_checkpoint
+from grpo_core.training.distributed import DataParallel, process_group
 
 WORLD = 2
 METRICS = ("loss", "policy_loss", "kl", "entropy", "entropy/trained_rows", "clip_ratio/region_mean")

@@ -1,4 +1,4 @@
-"""An FSDP2 checkpoint's gather (grpo_core/fsdp.py: ``checkpoint_state``) brings the full
+"""An FSDP2 checkpoint's gather (grpo_core/training/fsdp.py: ``checkpoint_state``) brings the full
 weights and AdamW state to rank 0's CPU one tensor at a time: the other ranks' memory rises by
 about one tensor, not by the model and its optimizer state (2 gloo ranks on CPU, where a
 rank's device memory is its RSS). Every parameter is sharded (the model's root is an FSDP2
@@ -12,7 +12,7 @@ import pytest
 import torch
 from ddp_cases import gather_memory
 
-from grpo_core.distributed import spawn
+from grpo_core.training.distributed import spawn
 
 MIB = 2**20
 

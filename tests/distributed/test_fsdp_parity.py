@@ -1,4 +1,4 @@
-"""FSDP2 (decoder layers sharded over 2 gloo ranks on CPU, grpo_core/fsdp.py) makes the update
+"""FSDP2 (decoder layers sharded over 2 gloo ranks on CPU, grpo_core/training/fsdp.py) makes the update
 of one process: same weights within fp32 tolerance after one iteration of several optimizer
 steps, same metrics, for every loss_type, with a reference model and a token budget, with
 ranks that have no rows in a micro-batch, and with zero-advantage rows skipped."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from ddp_cases import MODES, cases, run_all_sharded, run_case, spawn_all
 
-from grpo_core.checkpoint import load_checkpoint
-from grpo_core.fsdp import decoder_layers
+from grpo_core.training.checkpoint import load_checkpoint
+from grpo_core.training.fsdp import decoder_layers
 
 WORLD = 2
 METRICS = ("loss", "policy_loss", "kl", "entropy", "entropy/trained_rows", "clip_ratio/region_mean")
@@ -27,7 +27,7 @@ def sharded_results(tiny_checkpoint, tmp_path_factory):
 
 # gpu-defaults: gradient checkpointing (a layer's forward runs again in backward) and the
 # optimizers' multi-tensor path (CUDA's default; it refuses a list mixing DTensor shards and
-# plain tensors, so grpo_core/optim.py groups them by kind)
+# plain tensors, so grpo_core/training/optim.py groups them by kind)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", list(cases()))
 def test_sharded_ranks_make_the_update_of_one_process(tiny_checkpoint, sharded_results, name, mode):
@@ -65,8 +65,8 @@ def test_layers_gathered_in_bf16_keep_float32_shards_and_state(tiny_checkpoint, 
     reduction stay float32, and the losses follow the one-process bf16-autocast update's."""
     from ddp_cases import auto_decisions, bf16_update, run_bf16_sharded
 
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.distributed import spawn
+    from grpo_core.training.checkpoint import load_checkpoint
+    from grpo_core.training.distributed import spawn
 
     one = bf16_update(str(tiny_checkpoint))
     spawn(run_bf16_sharded, WORLD, str(tiny_checkpoint), str(tmp_path))

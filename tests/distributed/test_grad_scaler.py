@@ -10,10 +10,10 @@ import pytest
 import torch
 from ddp_cases import batch
 
-from grpo_core.checkpoint import load_checkpoint, save_checkpoint
-from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.train_state import TrainState
-from grpo_core.update import grpo_update
+from grpo_core.algorithm.update import grpo_update
+from grpo_core.config.loss import LossConfig, UpdateConfig
+from grpo_core.training.checkpoint import load_checkpoint, save_checkpoint
+from grpo_core.training.train_state import TrainState
 
 CFG = UpdateConfig(loss=LossConfig(loss_type="dapo"), steps_per_generation=4)
 HUGE = 2.0**126  # scaled gradients overflow float32 (max ~2**128) at first
@@ -66,7 +66,7 @@ def test_the_scale_survives_a_saved_trainer_state(tiny_checkpoint, tmp_path):
 
 
 def test_fsdp_refuses_fp16():
-    from grpo_core.fsdp import ShardedDataParallel
+    from grpo_core.training.fsdp import ShardedDataParallel
 
     with pytest.raises(ValueError, match="rl.fp16 with cluster.trainer.strategy: fsdp"):
         ShardedDataParallel().prepare(UpdateConfig(fp16=True))

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from grpo_core.generation import Sample, SamplingParams
-from grpo_core.text import encode_prompt
+from grpo_core.contracts.text import encode_prompt
+from grpo_core.engines.generation import Sample, SamplingParams
 
 
 def prompts(tok, pairs) -> list[list[int]]:

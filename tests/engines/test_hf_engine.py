@@ -6,8 +6,8 @@ import torch
 from engines_support import prompts, reference_logprobs
 
 from grpo_core.engines import ENGINES, WarmEngines, get_engine, probe_sync, sync_weights
+from grpo_core.engines.generation import SamplingParams, generate, micro_batches
 from grpo_core.engines.hf import HFEngine
-from grpo_core.generation import SamplingParams, generate, micro_batches
 
 SAMPLING = [
     SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=0),

@@ -1,4 +1,4 @@
-"""The hf engine's static decode loop (grpo_core/static_decode.py), the GPU default: the same
+"""The hf engine's static decode loop (grpo_core/engines/static_decode.py), the GPU default: the same
 completions and sampling log-probs as the dynamic loop, fixed shapes, few host reads.
 
 On a CPU the ``static`` loop runs without CUDA graphs; the ``cuda_graphs`` cases run on a CUDA
@@ -11,9 +11,9 @@ import torch
 from engines_support import prompts, reference_logprobs
 from test_hf_engine import SAMPLING
 
-from grpo_core import static_decode
+from grpo_core.engines import static_decode
+from grpo_core.engines.generation import SamplingParams, generate
 from grpo_core.engines.hf import HFEngine
-from grpo_core.generation import SamplingParams, generate
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

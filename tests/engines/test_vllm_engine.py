@@ -10,7 +10,7 @@ import torch
 from engines_support import prompts, reference_logprobs
 
 from grpo_core.engines import get_engine, probe_sync, sync_weights, vllm_available
-from grpo_core.generation import SamplingParams
+from grpo_core.engines.generation import SamplingParams
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -131,7 +131,7 @@ def test_stop_strings_cut_where_the_hf_engine_cuts(engines):
     assert cut.finish_reason == "stop"
     assert free[i].completion_ids[: len(cut.completion_ids)] == cut.completion_ids
     # the hf engine's stop matcher ends the same completion on the same token
-    from grpo_core.generation import stop_string_matcher
+    from grpo_core.engines.generation import stop_string_matcher
 
     hits = stop_string_matcher(lambda x: tok.decode(x, skip_special_tokens=True), (stop,))
     first = next(n for n in range(1, 17) if hits([cut.completion_ids[:n]])[0])
@@ -160,10 +160,10 @@ def test_lora_adapter_sync_hands_vllm_the_adapter_alone(vllm_checkpoint, tmp_pat
     each policy reaches it as its adapter (a LoRA request); greedy completions equal the
     peft model's, a second policy replaces the first, and the engine's base weights are never
     touched: given the plain base (a stage's first rollout) it answers as the base."""
-    from grpo_core import lora
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.config import ModelConfig
+    from grpo_core.config.stages import ModelConfig
     from grpo_core.engines import WarmEngines
+    from grpo_core.training import lora
+    from grpo_core.training.checkpoint import load_checkpoint
 
     model, tok = load_checkpoint(vllm_checkpoint)
     policy = lora.attach_adapter(model, ModelConfig(lora={"r": 4, "alpha": 8}).lora)
@@ -177,7 +177,7 @@ def test_lora_adapter_sync_hands_vllm_the_adapter_alone(vllm_checkpoint, tmp_pat
     base_ids = _ids(base.generate(ids, p, progress=False))
     try:
         # a stage's first rollout: the plain base model (its policy id) starts the engine
-        from grpo_core.checkpoint import policy_id
+        from grpo_core.training.checkpoint import policy_id
 
         pid = policy_id(vllm_checkpoint)
         first = engines.get("vllm", checkpoint=vllm_checkpoint, policy_id=pid, model=base.model,

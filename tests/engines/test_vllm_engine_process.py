@@ -13,8 +13,8 @@ import torch
 from engines_support import prompts, reference_logprobs
 
 from grpo_core.engines import vllm_available
-from grpo_core.generation import SamplingParams
-from grpo_core.turns import SampleRequest
+from grpo_core.engines.generation import SamplingParams
+from grpo_core.engines.turns import SampleRequest
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -42,7 +42,7 @@ def _matches(model, ids, samples, params) -> bool:
 
 def test_vllm_in_the_engine_process_samples_the_snapshots_weights(checkpoint):
     from cluster.executor import Local
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint
 
     model, tok = load_checkpoint(checkpoint)
     start, _ = load_checkpoint(checkpoint)  # the weights as saved

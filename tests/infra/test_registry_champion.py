@@ -13,7 +13,7 @@ from flows.model_registry import (
     register_final_checkpoint,
     registration_line,
 )
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 
 MODEL = "champion-test"
 

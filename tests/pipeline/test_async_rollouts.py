@@ -45,7 +45,7 @@ def test_the_schedule():
 
 def _sampling_policies(ws, stage: str, iterations: int) -> tuple[list[str], list[str]]:
     """(the policy_id of each rollout file's rows, P_0..P_n of the stage's records)."""
-    from tasks import policy_ref
+    from tasks.policies import ref as policy_ref
 
     start = ws.checkpoint("cold_start_sft" if stage == "rl_1" else "re_sft")
     policies = [policy_ref.policy_id(start)]
@@ -128,7 +128,7 @@ def _grpo_run(cwd: Path, kill_on: str | None = None) -> tuple[int, str]:
 
 @pytest.mark.slow
 def test_a_killed_async_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    from tasks import policy_ref
+    from tasks.policies import ref as policy_ref
 
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     for d in (whole, resumed):

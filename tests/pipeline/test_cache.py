@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
-from grpo_core.config import EvalConfig, RLConfig, SFTConfig
+from grpo_core.config.stages import EvalConfig, RLConfig, SFTConfig
+from grpo_core.contracts.io import write_jsonl
 from grpo_core.demo.task import make_splits
-from grpo_core.io import write_jsonl
 from tasks import cache
 from tasks import score as score_module
 from tasks.evaluate import evaluate_checkpoint
@@ -20,7 +20,7 @@ from tasks.results import EvalOutcome, SFTOutcome
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 
 
 class Stage:
@@ -110,7 +110,7 @@ def test_changed_code_version_changes_the_key_and_reruns(inputs, tmp_path, monke
 def test_code_version_hashes_the_grpo_core_and_tasks_sources(tmp_path, monkeypatch):
     """A fake source tree: editing or adding a module of grpo_core/ or tasks/ changes the
     version; editing flows/ (wiring only, every input passed explicitly) does not."""
-    for rel in ("grpo_core/losses.py", "tasks/cache.py", "flows/r1.py"):
+    for rel in ("grpo_core/algorithm/losses.py", "tasks/cache.py", "flows/r1.py"):
         (tmp_path / rel).parent.mkdir(exist_ok=True)
         (tmp_path / rel).write_text(f"# {rel}\n")
     monkeypatch.setattr(cache, "__file__", str(tmp_path / "tasks" / "cache.py"))
@@ -267,7 +267,7 @@ def test_final_eval_copies_the_in_loop_eval_of_the_same_weights(tiny_checkpoint,
     are evaluated."""
     import pyarrow.parquet as pq
 
-    from grpo_core.io import link_tree
+    from grpo_core.contracts.io import link_tree
 
     data = str(
         write_jsonl(make_splits(0, n_sft=1, n_rl=1, n_dev=1, n_eval=4).eval, tmp_path / "e.jsonl")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from grpo_core.config import RLConfig
+from grpo_core.config.stages import RLConfig
 from tasks import cache
 from tasks.rollout import HF_ENGINE, rollout_key
 from tasks.score import score_key

@@ -107,9 +107,9 @@ def test_checkpoint_info_names_run_files_relative_to_the_checkpoint(tiny_checkpo
     import json
     import shutil
 
-    from grpo_core.checkpoint import load_checkpoint, save_checkpoint
-    from grpo_core.config import LoraConfig
-    from grpo_core.lora import attach_adapter, saved_base
+    from grpo_core.config.stages import LoraConfig
+    from grpo_core.training.checkpoint import load_checkpoint, save_checkpoint
+    from grpo_core.training.lora import attach_adapter, saved_base
 
     run = tmp_path / "runs" / "demo"
     (run / "rl_1").mkdir(parents=True)

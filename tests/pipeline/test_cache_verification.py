@@ -1,4 +1,4 @@
-"""The cache verifies what it reuses (tasks/cache.py, grpo_core/checkpoint.py): every output's
+"""The cache verifies what it reuses (tasks/cache.py, grpo_core/training/checkpoint.py): every output's
 sha256 is in its manifest with its size and mtime; equal size and mtime are trusted without
 reading the file, anything else is hashed, and an output whose bytes changed is recomputed.
 A checkpoint's policy_id is the hash of the weights on disk, never a text file taken on trust.
@@ -14,8 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from grpo_core import checkpoint
-from grpo_core.checkpoint import (
+from grpo_core.config.stages import EvalConfig, RLConfig
+from grpo_core.contracts.io import write_jsonl
+from grpo_core.contracts.rollouts import read_rollouts, read_scored
+from grpo_core.demo.task import make_splits
+from grpo_core.training import checkpoint
+from grpo_core.training.checkpoint import (
     POLICY_ID,
     TRAINER_STATE,
     WEIGHTS,
@@ -23,10 +27,6 @@ from grpo_core.checkpoint import (
     policy_id,
     save_checkpoint,
 )
-from grpo_core.config import EvalConfig, RLConfig
-from grpo_core.demo.task import make_splits
-from grpo_core.io import write_jsonl
-from grpo_core.rollouts import read_rollouts, read_scored
 from tasks import cache
 from tasks.evaluate import evaluate_checkpoint
 from tasks.rollout import rollout
@@ -115,7 +115,7 @@ def test_swapped_weights_get_a_new_policy_id_and_a_fresh_eval(
     assert evaluate_checkpoint(str(trained_checkpoint), eval_path, cfg, out_table=table).cached
 
     shutil.copyfile(tiny_checkpoint / WEIGHTS, trained_checkpoint / WEIGHTS)
-    with caplog.at_level(logging.WARNING, logger="grpo_core.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="grpo_core.training.checkpoint"):
         assert policy_id(trained_checkpoint) == policy_id(tiny_checkpoint) != trained_id
     assert "weights changed" in caplog.text
     memo = (trained_checkpoint / POLICY_ID).read_text().splitlines()

@@ -12,7 +12,7 @@ from flows.config import (
     load_config,
 )
 from flows.env import apply_defaults
-from grpo_core.config import RLConfig
+from grpo_core.config.stages import RLConfig
 from grpo_core.errors import UserError
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.yaml"))
@@ -171,7 +171,7 @@ def test_gpu_presets_validate_and_build_their_engines_settings(name):
 
 
 def test_vllm_settings_on_cpu_and_with_several_gpus():
-    from grpo_core.config import VLLMConfig
+    from grpo_core.config.stages import VLLMConfig
     from grpo_core.engines.vllm_engine import llm_options
 
     cpu = llm_options("/c", device="cpu", **VLLMConfig(cpu_threads=3).model_dump())
@@ -207,8 +207,8 @@ def test_ignored_loss_knobs_are_refused_or_warned():
 
 
 def test_typed_settings_carry_the_section_values():
-    from grpo_core.config import SFTConfig
-    from grpo_core.generation import SamplingParams
+    from grpo_core.config.stages import SFTConfig
+    from grpo_core.engines.generation import SamplingParams
 
     rl = RLConfig(
         temperature=0.7,
@@ -271,7 +271,7 @@ def test_cache_keys_name_the_same_settings():
 
 
 def test_settings_or_keywords_not_both():
-    from grpo_core.settings import Scoring, settings_or_knobs
+    from grpo_core.config.settings import Scoring, settings_or_knobs
 
     assert settings_or_knobs(Scoring, None, {"scale_rewards": "none"}).scale_rewards == "none"
     with pytest.raises(ValueError, match="not both"):

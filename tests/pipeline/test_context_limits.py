@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.context import check_completion_length, check_prompt_lengths, model_context
+from grpo_core.engines.context import check_completion_length, check_prompt_lengths, model_context
 from grpo_core.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]

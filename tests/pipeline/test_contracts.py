@@ -2,10 +2,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_core import rewards
-from grpo_core.checkpoint import file_sha256
+from grpo_core.contracts.io import atomic_path, write_parquet
+from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS, read_metadata_of, read_rollouts
 from grpo_core.demo.task import make_splits
-from grpo_core.io import atomic_path, write_parquet
-from grpo_core.rollouts import ROLLOUT_COLUMNS, read_metadata_of, read_rollouts
+from grpo_core.training.checkpoint import file_sha256
 from tasks.rollout import sample_rollouts, select_prompts
 from tasks.score import score_file
 

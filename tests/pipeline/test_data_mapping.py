@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from grpo_core.columns import RowMapping
-from grpo_core.config import DataConfig
-from grpo_core.data import load_rows
+from grpo_core.config.stages import DataConfig
+from grpo_core.contracts.columns import RowMapping
+from grpo_core.contracts.prompts import load_rows
 from grpo_core.errors import UserError
 
 GSM8K = [
@@ -176,7 +176,7 @@ def test_word_problems_have_disjoint_splits_and_r1_targets():
 
 
 def test_prepare_writes_mapped_splits_into_the_workspace(tmp_path):
-    from grpo_core.config import ModelConfig
+    from grpo_core.config.stages import ModelConfig
     from tasks.prepare import prepare
     from tasks.workspace import Workspace
 

@@ -6,9 +6,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as tk_decoders
 from transformers import PreTrainedTokenizerFast
 
-from grpo_core.config import EvalConfig
-from grpo_core.evaluation import evaluate, majority_correct, pass_at_k
-from grpo_core.generation import Sample
+from grpo_core.algorithm.evaluation import evaluate, majority_correct, pass_at_k
+from grpo_core.config.stages import EvalConfig
+from grpo_core.engines.generation import Sample
 
 
 @pytest.mark.parametrize(
@@ -153,9 +153,9 @@ def test_math_answers_give_pass_at_k_and_maj_at_k(byte_tokenizer, reward, wrap):
 
 
 def test_sampled_eval_through_hf_generate_on_a_real_model(tmp_path):
-    from grpo_core.checkpoint import load_checkpoint
     from grpo_core.demo.model import save_base_model
     from grpo_core.demo.task import make_splits
+    from grpo_core.training.checkpoint import load_checkpoint
 
     model, tok = load_checkpoint(save_base_model(tmp_path / "m", seed=0))
     rows = make_splits(0, 2, 1, 1, 0, 4).eval

@@ -88,7 +88,7 @@ def inputs(tmp_path_factory, tiny_checkpoint):
 
     from tokenizers import Tokenizer
 
-    from grpo_core.rollouts import tokenizer_fingerprint
+    from grpo_core.contracts.rollouts import tokenizer_fingerprint
 
     fp = tokenizer_fingerprint(Tokenizer.from_file(str(ck / "tokenizer.json")))
     p["rollouts"] = _parquet(d / "rollouts.parquet", _rollout_rows(), tokenizer=fp)
@@ -435,7 +435,7 @@ def test_rollout_files_record_the_fingerprint_of_the_tokenizer_json(inputs, tiny
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    from grpo_core.rollouts import read_metadata_of, tokenizer_fingerprint
+    from grpo_core.contracts.rollouts import read_metadata_of, tokenizer_fingerprint
 
     meta = read_metadata_of(pq.read_table(inputs["scored_real"]))
     own = Tokenizer.from_file(str(Path(tiny_checkpoint) / "tokenizer.json"))

@@ -8,8 +8,8 @@ from tests_support import TINY_OVERRIDES as TINY
 
 from flows.config import CHECKPOINT_STAGES as STAGES
 from flows.config import STAGE_NAMES, load_config
-from grpo_core.rollouts import ROLLOUT_COLUMNS
-from tasks.chart_keys import pipeline_stage_key
+from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS
+from tasks.tracking.charts import pipeline_stage_key
 from tasks.workspace import Workspace
 
 
@@ -34,7 +34,7 @@ def test_whole_pipeline_runs_and_tracks_every_stage(prefect_harness, tmp_path, t
     by_stage = {r.data.tags["stage"]: r for r in children}
     assert set(by_stage) == set(STAGE_NAMES)
     rl1 = by_stage["rl_1"]
-    for m in (  # TRL's names, grouped for the UI (tasks/chart_keys.py)
+    for m in (  # TRL's names, grouped for the UI (tasks/tracking/charts.py)
         "train/reward",
         "train/reward_std",
         "train/more/frac_reward_zero_std",

@@ -1,7 +1,7 @@
 import torch
 
-from grpo_core.generation import SamplingParams, generate
-from grpo_core.text import encode_prompt
+from grpo_core.contracts.text import encode_prompt
+from grpo_core.engines.generation import SamplingParams, generate
 
 
 def _prompts(tok, pairs):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_core.old_logprobs import old_logprobs_source
+from grpo_core.logprobs.old import old_logprobs_source
 
 SAFE_META = {
     "engine": "hf",
@@ -58,7 +58,7 @@ def test_auto_takes_the_sampler_only_when_nothing_differs():
 
 
 def test_config_refuses_sampler_with_the_engine_correction():
-    from grpo_core.config import RLConfig
+    from grpo_core.config.stages import RLConfig
 
     assert RLConfig().old_logprobs == "auto"
     with pytest.raises(ValueError, match="rl.old_logprobs=sampler with rl.vllm_importance"):
@@ -72,7 +72,7 @@ def parity_reward(prompts, completions, **_):
 @pytest.fixture
 def count_recomputes(monkeypatch):
     """Counts the no-grad log-prob passes of grpo_update (the real function still runs)."""
-    import grpo_core.update as update_mod
+    import grpo_core.algorithm.update as update_mod
 
     calls = []
     real = update_mod.batched_logprobs
@@ -86,11 +86,11 @@ def count_recomputes(monkeypatch):
 
 
 def _rollout_and_score(checkpoint, tmp_path) -> str:
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
     from tasks.rollout import sample_rollouts
     from tasks.score import score_file
 
-    policy_cache.clear()
+    policy_memo.clear()
     rows = [{"prompt": f"{a}+{a + 1}="} for a in range(4)]
     rollouts = tmp_path / "rollouts.parquet"
     sample_rollouts(
@@ -109,9 +109,9 @@ def _rollout_and_score(checkpoint, tmp_path) -> str:
 
 
 def _update(checkpoint, scored, out, **knobs):
-    from grpo_core.checkpoint import load_checkpoint
-    from grpo_core.config import RLConfig
-    from tasks import policy_cache
+    from grpo_core.config.stages import RLConfig
+    from grpo_core.training.checkpoint import load_checkpoint
+    from tasks.policies import memo as policy_memo
     from tasks.update import update_from_file
 
     rl = RLConfig(
@@ -122,7 +122,7 @@ def _update(checkpoint, scored, out, **knobs):
         max_completion_length=12,
         **knobs,
     )
-    policy_cache.clear()  # each path starts from the checkpoint on disk
+    policy_memo.clear()  # each path starts from the checkpoint on disk
     up = update_from_file(str(checkpoint), scored, str(out), rl, total_steps=2)
     assert len(up.history) == 2
     return load_checkpoint(out)[0].state_dict()
@@ -149,13 +149,13 @@ def test_sampler_old_logprobs_give_the_recompute_paths_weights(
 
 
 def _initial(checkpoint):
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint
 
     return load_checkpoint(checkpoint)[0].state_dict()
 
 
 def _correction(setting="auto", meta=SAFE_META, **kw):
-    from grpo_core.old_logprobs import engine_correction_choice
+    from grpo_core.logprobs.old import engine_correction_choice
 
     return engine_correction_choice(setting, file_meta=meta, model_dtype="float32", **kw)
 
@@ -190,8 +190,8 @@ def test_sampler_old_logprobs_are_used_with_one_optimizer_step(tiny_model):
     old_logprobs='sampler': the ratio is against the sampler's log-probs, not 1 (issue 41)."""
     import copy
 
-    from grpo_core.loss_config import LossConfig, UpdateConfig
-    from grpo_core.update import build_batch, grpo_update
+    from grpo_core.algorithm.update import build_batch, grpo_update
+    from grpo_core.config.loss import LossConfig, UpdateConfig
 
     model, tok = tiny_model
     prompts = [[3, 12, 13, 4]] * 4

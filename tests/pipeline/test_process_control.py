@@ -1,6 +1,6 @@
 """`grpo run` killed, interrupted and started twice, as real processes on a real sqlite MLflow
 store and Prefect's temporary server (flows/local_server.py, flows/interrupts.py,
-flows/lock.py, tasks/tracking.py, tasks/run_states.py, tasks/mlflow_store.py).
+flows/lock.py, tasks/tracking/stages.py, tasks/tracking/run_states.py, tasks/tracking/store.py).
 
 One workspace goes through a user's bad day: SIGKILL in rl_1 (the temporary server dies
 with it), a rerun stopped by SIGTERM in rl_1, a rerun stopped by Ctrl-C in rl_2, and a last
@@ -220,7 +220,7 @@ def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
 _OPEN_STORE = """
 import sys, time
 from pathlib import Path
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 uri, barrier, me, n = sys.argv[1], Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 (barrier / me).touch()  # imported; go when every process is
 while len(list(barrier.iterdir())) < n:
@@ -298,7 +298,7 @@ def terminal_sigint():
 
 
 def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once(terminal_sigint):
-    from tasks.mlflow_store import signals_deferred
+    from tasks.tracking.store import signals_deferred
 
     steps = []
     with pytest.raises(KeyboardInterrupt), signals_deferred():
@@ -320,8 +320,8 @@ def test_store_calls_hold_a_signal_until_they_end_and_a_second_one_at_once(termi
 
 @pytest.mark.slow
 def test_a_stage_command_stops_on_sigterm_with_one_line(tmp_path, tiny_checkpoint):
+    from grpo_core.contracts.io import write_jsonl
     from grpo_core.demo.task import make_splits
-    from grpo_core.io import write_jsonl
 
     rows = write_jsonl(  # enough rows that the eval still runs when SIGTERM comes
         make_splits(0, n_sft=1, n_rl=1, n_dev=0, n_eval=3000).eval, tmp_path / "e.jsonl"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flows.model_registry import register_final_checkpoint
-from grpo_core.checkpoint import (
+from grpo_core.training.checkpoint import (
     POLICY_ID,
     TRAINER_STATE,
     load_checkpoint,

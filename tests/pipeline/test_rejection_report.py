@@ -12,10 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from grpo_core.config import RejectionConfig
-from grpo_core.demo.task import make_splits
-from grpo_core.io import write_jsonl
-from grpo_core.rejection import (
+from grpo_core.algorithm.rejection import (
     DUPLICATE,
     FAILED,
     KEPT,
@@ -23,9 +20,12 @@ from grpo_core.rejection import (
     classify_completions,
     select_completions,
 )
-from grpo_core.rollouts import read_scored
+from grpo_core.config.stages import RejectionConfig
+from grpo_core.contracts.io import write_jsonl
+from grpo_core.contracts.rollouts import read_scored
+from grpo_core.demo.task import make_splits
 from tasks.rejection import rejection_line, rejection_sampling
-from tasks.tracking import Tracking
+from tasks.tracking.stages import Tracking
 from tasks.workspace import SamplingDir
 
 COUNTS = ("sampled", "passed", "duplicates", "capped", "kept")

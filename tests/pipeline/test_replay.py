@@ -18,9 +18,9 @@ import pytest
 from tests_support import TINY_OVERRIDES as TINY
 
 from flows.config import load_config
-from grpo_core.checkpoint import TRAINER_STATE, policy_id
-from tasks import policy_cache
-from tasks.policy_ref import read_ref
+from grpo_core.training.checkpoint import TRAINER_STATE, policy_id
+from tasks.policies import memo as policy_memo
+from tasks.policies.ref import read_ref
 from tasks.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,15 +68,15 @@ def test_reward_change_from_iteration_k_reuses_k_iterations_and_equals_a_fresh_r
 
     records = [ws.policy_ref("rl_1", i).with_name("policy.json.stage.json") for i in range(5)]
     written = [p.stat().st_mtime_ns for p in records]
-    policy_cache.clear()  # as a new process: nothing warm
-    replays = policy_cache.STATS["replays"]
+    policy_memo.clear()  # as a new process: nothing warm
+    replays = policy_memo.STATS["replays"]
     _run(tmp_path, "a", tracking_uri, CHANGE)
     # iterations 0-2 reused, 3 and 4 trained again; iteration 3's policy rebuilt by replaying
     # updates 0, 1 and 2 (its nearest kept state, iteration 1's, was pruned: so from the
     # stage's initial checkpoint)
     rewritten = [p.stat().st_mtime_ns != t for p, t in zip(records, written, strict=True)]
     assert rewritten == [False, False, False, True, True]
-    assert policy_cache.STATS["replays"] - replays == 3
+    assert policy_memo.STATS["replays"] - replays == 3
 
     _run(tmp_path, "fresh", tracking_uri, CHANGE)
     assert _final_ids(ws) == _final_ids(Workspace(tmp_path / "runs" / "fresh"))
@@ -87,7 +87,7 @@ def test_reward_change_from_iteration_k_reuses_k_iterations_and_equals_a_fresh_r
 CRASH = """
 import os, sys, time
 from pathlib import Path
-import grpo_core.checkpoint as checkpoint
+import grpo_core.training.checkpoint as checkpoint
 real = checkpoint.save_checkpoint
 
 def crash(model, tokenizer, out, **kwargs):

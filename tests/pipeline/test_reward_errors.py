@@ -70,7 +70,7 @@ def test_a_reward_returning_nan_everywhere_stops_like_a_failing_one(rollouts, tm
 
 
 def test_the_error_rate_limit_is_configurable(rollouts, tmp_path):
-    from grpo_core.config import RLConfig
+    from grpo_core.config.stages import RLConfig
     from tasks.score import score
 
     half = "def fn(prompts, completions, answer, **kw):\n    return [1.0 / (a == '1') for a in answer]\n"
@@ -94,7 +94,7 @@ def test_the_error_rate_limit_is_configurable(rollouts, tmp_path):
 
 
 def test_scores_reported_with_an_error_are_not_failures():
-    from grpo_core.iteration import check_reward_failures
+    from grpo_core.algorithm.iteration import check_reward_failures
 
     timeouts = Scores([0.0, 0.0], errors=["TimeoutError: 5 s", "TimeoutError: 5 s"])
     result = ScoreResult({"code": list(timeouts)}, {"code": timeouts.errors}, [0.0, 0.0])
@@ -134,9 +134,9 @@ def test_grpo_score_stops_with_one_line_and_no_prefect_traceback(rollouts, tmp_p
 
 
 def test_rejection_sampling_that_keeps_nothing_says_what_to_change(tiny_checkpoint, tmp_path):
-    from grpo_core.config import RejectionConfig
+    from grpo_core.config.stages import RejectionConfig
+    from grpo_core.contracts.io import write_jsonl
     from grpo_core.demo.task import make_splits
-    from grpo_core.io import write_jsonl
     from tasks.rejection import _sample_and_filter
     from tasks.rollout import HF_ENGINE
 
@@ -157,8 +157,8 @@ def test_rejection_sampling_that_keeps_nothing_says_what_to_change(tiny_checkpoi
 def test_path_spec_reward_logs_to_a_real_sqlite_store(tmp_path):
     from mlflow.exceptions import MlflowException
 
-    from tasks.mlflow_keys import safe_key
-    from tasks.tracking import Tracking
+    from tasks.tracking.keys import safe_key
+    from tasks.tracking.stages import Tracking
 
     spec = f"{tmp_path}/my rewards+v2.py:fn"  # absolute, with a space and a '+'
     result = ScoreResult({spec: [1.0, 0.0]}, {spec: [None, None]}, [1.0, 0.0], {spec: 1.0})

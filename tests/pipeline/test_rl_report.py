@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from flows.rl_report import StageReport, rollout_sample
-from tasks.chart_keys import chart_key, chart_metrics, iteration_means, pipeline_stage_key
 from tasks.results import EvalOutcome
+from tasks.tracking.charts import chart_key, chart_metrics, iteration_means, pipeline_stage_key
 
 
 def test_chart_keys_put_the_story_first():

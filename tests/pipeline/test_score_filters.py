@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core.config import RLConfig
+from grpo_core.config.stages import RLConfig
 from tasks.score import score_file
 from tasks.update import update_from_file
 

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core.scored_batch import ScoredRows, _check_finite
+from grpo_core.contracts.scored_batch import ScoredRows, _check_finite
 
 
 def test_nan_advantage_is_refused_with_the_file_and_row(tmp_path):

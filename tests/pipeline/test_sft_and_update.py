@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
+from grpo_core.algorithm.update import batched_logprobs, build_batch, grpo_update
+from grpo_core.config.loss import LossConfig, UpdateConfig
 from grpo_core.demo.task import make_splits
-from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.sft import collate, encode_examples, train_sft
-from grpo_core.update import batched_logprobs, build_batch, grpo_update
+from grpo_core.training.sft import collate, encode_examples, train_sft
 
 
 def test_collate_masks_prompt_and_padding(tiny_model):
@@ -200,7 +200,7 @@ def _weights_equal(a, b) -> bool:
 
 @pytest.mark.parametrize("early_stop", [False, True])
 def test_sft_resumed_after_a_kill_ends_bit_identical(tiny_checkpoint, tmp_path, early_stop):
-    from grpo_core.checkpoint import load_checkpoint
+    from grpo_core.training.checkpoint import load_checkpoint
 
     sft_rows = make_splits(1, n_sft=40, n_rl=1, n_dev=1, n_eval=1).sft
     rows, dev = sft_rows[:34], sft_rows[34:]  # dev rows with completions (for their loss)
@@ -282,7 +282,7 @@ def _scored_file(tmp_path, name: str, shift: int) -> str:
 
 
 def _adam_step(ckpt) -> float:
-    from grpo_core.checkpoint import load_trainer_state
+    from grpo_core.training.checkpoint import load_trainer_state
 
     state = load_trainer_state(ckpt)["optimizer"]["state"]
     return float(next(iter(state.values()))["step"])
@@ -292,9 +292,9 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
     """Three iterations of one stage in one process (the warm path) against the same stage
     resumed from disk before its last iteration; then a second stage on the same weights
     starts its own AdamW instead of continuing the first stage's."""
-    from grpo_core.checkpoint import file_sha256, load_trainer_state
-    from grpo_core.config import RLConfig
-    from tasks import policy_cache
+    from grpo_core.config.stages import RLConfig
+    from grpo_core.training.checkpoint import file_sha256, load_trainer_state
+    from tasks.policies import memo as policy_memo
     from tasks.update import update_from_file
 
     rl = RLConfig(
@@ -323,13 +323,13 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(h["peak_memory_gib"] == up.peak_memory_gib for h in up.history)
         return up.checkpoint, up.global_step
 
-    policy_cache.clear()
+    policy_memo.clear()
     policy, step = init, 0
     for it in range(3):
         policy, step = run(it, policy, str(tmp_path / f"warm{it}"), step)
     assert step == 6 and _adam_step(policy) == 6
 
-    policy_cache.clear()  # a new process after a crash: the state comes from iteration 1's files
+    policy_memo.clear()  # a new process after a crash: the state comes from iteration 1's files
     resumed, _ = run(2, str(tmp_path / "warm1"), str(tmp_path / "resumed2"), 4)
     w_a, w_b = (file_sha256(f"{p}/model.safetensors") for p in (policy, resumed))
     assert w_a == w_b
@@ -339,7 +339,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(torch.equal(s[n], b["optimizer"]["state"][k][n]) for n in s)
 
     # another stage starting from the warm weights: a fresh optimizer, whatever is in memory
-    policy_cache.clear()
+    policy_memo.clear()
     run(0, init, str(tmp_path / "a0"), 0)
     a0 = str(tmp_path / "a0")
     other, step = run(1, a0, str(tmp_path / "b0"), 0, stage="rl_2", first=a0)

@@ -6,9 +6,9 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core.checkpoint import file_sha256, policy_id
+from grpo_core.contracts.io import write_jsonl
 from grpo_core.demo.task import make_splits
-from grpo_core.io import write_jsonl
+from grpo_core.training.checkpoint import file_sha256, policy_id
 
 RL = [
     "rl.prompts_per_iteration=4",

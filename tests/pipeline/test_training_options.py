@@ -8,12 +8,12 @@ import json
 import pytest
 import torch
 
-from grpo_core.config import RLConfig, SFTConfig
-from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.memory import PeakMemory
-from grpo_core.optim import build_optimizer
-from grpo_core.precision import Precision
-from grpo_core.update import build_batch, completion_logprobs, grpo_update
+from grpo_core.algorithm.update import build_batch, completion_logprobs, grpo_update
+from grpo_core.config.loss import LossConfig, UpdateConfig
+from grpo_core.config.stages import RLConfig, SFTConfig
+from grpo_core.training.memory import PeakMemory
+from grpo_core.training.optim import build_optimizer
+from grpo_core.training.precision import Precision
 
 PROMPTS = [[3, 12, 13, 4]] * 4
 COMPLETIONS = [[5, 12, 6, 7, 2], [5, 13, 2], [5, 6, 7, 8, 12, 2], [5, 2]]
@@ -89,15 +89,15 @@ def test_peak_memory_sees_an_allocation_of_the_stage():
 
 def test_sft_stage_with_budget_bf16_reports_peak_memory(tiny_checkpoint, tmp_path):
     from grpo_core.demo.task import make_splits
-    from tasks import policy_cache
+    from tasks.policies import memo as policy_memo
     from tasks.sft import train_stage
 
     rows = make_splits(digits=2, n_sft=16, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = SFTConfig(max_steps=3, batch_size=8, bf16=True, max_tokens_per_microbatch=64)
-    policy_cache.clear()
+    policy_memo.clear()
     out = train_stage("sft", str(tiny_checkpoint), str(data), str(tmp_path / "out"), cfg)
     assert out.steps == 3 and out.peak_memory_gib > 0
     assert torch.isfinite(torch.tensor(out.final_loss))
-    policy_cache.clear()
+    policy_memo.clear()

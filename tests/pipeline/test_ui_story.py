@@ -61,7 +61,7 @@ def test_a_run_leaves_the_next_runs_default_alone(tmp_path, monkeypatch):
     """One process, two runs (a ``grpo serve`` worker, a notebook): the first run's
     ``--set tracking.uri`` must not become the second run's choice. ``mlflow.set_tracking_uri``
     writes MLFLOW_TRACKING_URI; opening the store keeps the variable as the user set it."""
-    from tasks.tracking import Tracking
+    from tasks.tracking.stages import Tracking
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first = load_config(None, [f"tracking.uri=sqlite:///{tmp_path / 'first.db'}"])
@@ -77,7 +77,7 @@ def test_a_run_leaves_the_next_runs_default_alone(tmp_path, monkeypatch):
 def test_a_continued_parent_run_shows_no_stale_duration(tmp_path):
     """A resumed pipeline continues its killed parent run: RUNNING again with no end time, as
     a new run (the UI's duration is end - start: the killed attempt's end made it stale)."""
-    from tasks.tracking import Tracking
+    from tasks.tracking.stages import Tracking
 
     store = Tracking.open(f"sqlite:///{tmp_path / 'mlflow.db'}", "resume")
     first = store.start_parent("r", {}, params={"a": 1}, workspace=tmp_path / "ws")
@@ -92,7 +92,7 @@ def test_a_continued_parent_run_shows_no_stale_duration(tmp_path):
 
 
 def test_mlflow_urls_open_model_training_mode():
-    from tasks.tracking import experiment_url, run_url
+    from tasks.tracking.stages import experiment_url, run_url
 
     assert experiment_url("sqlite:///m.db", "1") is None
     assert (

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.update import build_batch, grpo_update
+from grpo_core.algorithm.update import build_batch, grpo_update
+from grpo_core.config.loss import LossConfig, UpdateConfig
 
 PROMPTS = [[3, 12, 13, 4]] * 8
 COMPLETIONS = [

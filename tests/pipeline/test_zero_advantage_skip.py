@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from grpo_core.loss_config import LossConfig, UpdateConfig
-from grpo_core.update import build_batch, grpo_update, live_rows
+from grpo_core.algorithm.update import build_batch, grpo_update, live_rows
+from grpo_core.config.loss import LossConfig, UpdateConfig
 
 PROMPTS = [[3, 12, 13, 4]] * 4 + [[3, 14, 4]] * 4 + [[3, 15, 16, 12, 4]] * 4 + [[3, 13, 4]] * 4
 COMPLETIONS = [
@@ -152,7 +152,7 @@ def test_the_update_task_reports_a_last_step_whose_rows_were_all_skipped(tiny_ch
     on zero gradients, has loss 0 and the entropy of its rows, and the task logs it."""
     from test_score_filters import _rollouts, _weights
 
-    from grpo_core.config import RLConfig
+    from grpo_core.config.stages import RLConfig
     from tasks.score import score_file
     from tasks.update import update
 

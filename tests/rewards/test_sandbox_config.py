@@ -9,7 +9,7 @@ import pytest
 
 from flows.config import PipelineConfig, SandboxConfig
 from grpo_core import rewards
-from grpo_core.io import write_parquet
+from grpo_core.contracts.io import write_parquet
 from grpo_core.rewards import isolation, launcher
 from grpo_core.rewards.isolation import ISOLATION_ENV, MODES, SandboxUnavailable
 
@@ -43,7 +43,7 @@ def test_setting_reaches_the_code_rewards(monkeypatch, tmp_path):
 def _rollouts(path):
     import pyarrow as pa
 
-    from grpo_core.rollouts import prompt_hash, with_metadata
+    from grpo_core.contracts.rollouts import prompt_hash, with_metadata
 
     records = [
         {

@@ -1,5 +1,5 @@
 """Tool calls that fail or attack: the code reward's hostile-program suite runs as python
-tool calls (grpo_core/environments.py), under the isolation this machine picks. Each call
+tool calls (grpo_core/engines/environments.py), under the isolation this machine picks. Each call
 ends as an observation (an error one where it failed), nothing reaches the host, nothing is
 left running, and the scorer's environment is intact."""
 
@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from rewards.sandbox_programs import OUTSIDE, SECRET, hostile, sandbox_uids_alive
 
-from grpo_core.environments import PythonTool, ToolSpec
+from grpo_core.engines.environments import PythonTool, ToolSpec
 from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
 
 try:

@@ -1,4 +1,4 @@
-"""The turn loop (grpo_core/turns.py) with a scripted engine (it answers each turn from a
+"""The turn loop (grpo_core/engines/turns.py) with a scripted engine (it answers each turn from a
 script, as a model would) and the real python tool in the code sandbox: token in, token out,
 masks, budgets, turn limits, and an observation clipped to its budget."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpo_core.algorithm.losses import policy_loss
 from grpo_core.demo.model import build_tokenizer
-from grpo_core.environments import Observation, ToolSpec
-from grpo_core.generation import Sample, SamplingParams
-from grpo_core.losses import policy_loss
-from grpo_core.turns import run_turns
+from grpo_core.engines.environments import Observation, ToolSpec
+from grpo_core.engines.generation import Sample, SamplingParams
+from grpo_core.engines.turns import run_turns
 
 TOK = build_tokenizer("tools")
 

@@ -1,0 +1,214 @@
+"""Per-stage configuration sections: one pydantic model per stage, unknown keys rejected by name.
+The whole-run ``PipelineConfig`` (and loading it from YAML) is a pipeline concern: flows/config.py.
+
+GRPO knob names follow TRL's ``GRPOConfig`` (``num_generations``, ``beta``, ``epsilon``,
+``epsilon_high``, ``loss_type``, ``scale_rewards``, ``num_iterations``, ``temperature``,
+``max_completion_length``) so a TRL user can carry their settings over.
+
+The ``rl`` section is in ``rl.py``, the model and data sections in ``model.py`` and ``data.py``
+of this package. Math functions never receive these objects: a section is turned once into the
+typed settings a concern reads (``settings.py``, ``loss.py``), and the tasks hand those on.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from grpo_core.config.data import DataConfig, DemoDataConfig, WordProblemsConfig
+from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
+from grpo_core.config.rl import RLConfig
+from grpo_core.config.section import Section, TrainingKnobs
+from grpo_core.config.settings import SFTSettings, same_named
+from grpo_core.engines.environments import CALL_END, CALL_START, RESULT_END, RESULT_START, ToolSpec
+
+__all__ = [
+    "DataConfig",
+    "DemoDataConfig",
+    "DemoModelConfig",
+    "EvalConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RLConfig",
+    "RejectionConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "Section",
+    "TrainingKnobs",
+    "VLLMConfig",
+    "WordProblemsConfig",
+]
+
+
+class SFTConfig(TrainingKnobs):
+    section_name: ClassVar[str] = "sft"
+
+    max_steps: int = Field(1200, ge=0)
+    batch_size: int = Field(32, ge=1)
+    learning_rate: float = Field(3e-3, gt=0)
+    weight_decay: float = 0.0
+    warmup_steps: int = Field(20, ge=0)
+    max_grad_norm: float = 1.0
+    target_accuracy: float | None = Field(
+        None, ge=0, le=1, description="stop once greedy dev accuracy reaches this"
+    )
+    eval_every: int = Field(100, ge=1)
+    min_steps: int = Field(0, ge=0, description="no early stop before this step")
+    checkpoint_every: int = Field(
+        100, ge=0, description="save a resume checkpoint every K steps (0: off)"
+    )
+    mask_spans: list[tuple[str, str]] = Field(
+        default_factory=list,
+        description="[[start, end], ...]: completion text from a start marker to its end marker "
+        "(both included) is context, not a target: no loss (a tool's output in a tool-using "
+        "trace, as the RL update masks it; e.g. [['<tool_response>', '</tool_response>']])",
+    )
+
+    @property
+    def training(self) -> SFTSettings:
+        """What ``grpo_core.training.sft.train_sft`` trains with, built from this section."""
+        return same_named(SFTSettings, self, mask_spans=tuple(map(tuple, self.mask_spans)))
+
+
+class VLLMConfig(Section):
+    """vLLM engine options (``rollout.engine: vllm``); see docs/engines.md and configs/gpu.yaml."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="share of GPU memory vLLM takes"
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    enable_sleep_mode: bool = Field(
+        False, description="free vLLM's GPU memory during the update (colocated)"
+    )
+    max_model_len: int | None = Field(None, ge=1)
+    max_num_seqs: int = Field(256, ge=1)
+    enforce_eager: bool = True
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="CPU only: KV cache size (default 1 GiB)"
+    )
+    cpu_threads: int | None = Field(None, ge=1, description="CPU only (default: torch's threads)")
+    offload_optimizer: bool = Field(
+        False,
+        description="colocated on the trainer's GPU: AdamW's state goes to CPU memory while "
+        "vLLM generates and back before the update (grpo_core/training/offload.py)",
+    )
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged",
+        description="with model.lora: merged sends the merged weights at every sync; adapter "
+        "starts vLLM on the adapter's base with LoRA enabled and hands it the adapter alone "
+        "(a LoRA request per policy), as verl does",
+    )
+
+
+# padded tokens per generation micro-batch (hf engine): the demo's largest batch (rejection
+# sampling: 512 rows x ~63 tokens) fits in one
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = "hf"
+    batch_size: int = Field(512, ge=1, description="sequences per generation micro-batch")
+    max_batch_tokens: int | None = Field(
+        DEFAULT_MAX_BATCH_TOKENS,
+        ge=1,
+        description="hf: cap on padded tokens (rows x (longest prompt + max_completion_length)) "
+        "per micro-batch, so generation memory follows tokens, not rows; None: rows only",
+    )
+    hf_decode: Literal["auto", "dynamic", "static", "cuda_graphs"] = Field(
+        "auto",
+        description="hf: the decode loop; dynamic (finished rows leave the batch: CPUs), "
+        "static (static KV cache, host reads every few steps), cuda_graphs (static, each step "
+        "replayed from a CUDA graph); auto: cuda_graphs on a CUDA device, else dynamic",
+    )
+    check_sync: bool = Field(False, description="greedy probe after each weight sync")
+    vllm: VLLMConfig = VLLMConfig()
+    tools: list[str] = Field(
+        default_factory=list,
+        description="the environment the policy acts in while it samples (rollouts, held-out "
+        "evals, rejection sampling): ['python'] (a model turn ending with tool_call_end runs "
+        "its code in the code sandbox; the output comes back between the result markers) or "
+        "['module:function'] (your own, docs/tools.md); empty: one model turn",
+    )
+    max_turns: int = Field(4, ge=1, description="model turns per episode (tools only)")
+    max_tool_output_tokens: int = Field(
+        64, ge=4, description="an observation's tokens, result markers included (tools only)"
+    )
+    tool_call_start: str = Field(CALL_START, min_length=1)
+    tool_call_end: str = Field(CALL_END, min_length=1, description="ends a turn that calls")
+    tool_result_start: str = Field(RESULT_START)
+    tool_result_end: str = Field(RESULT_END)
+    tool_timeout_s: float = Field(5.0, gt=0, description="one tool call's wall clock")
+    tool_memory_mb: int = Field(512, ge=64, description="one tool call's address space")
+    tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+
+    def tool_spec(self) -> dict | None:
+        """The environment's settings (``grpo_core.engines.environments.ToolSpec`` fields), or
+        None without ``tools``."""
+        if not self.tools:
+            return None
+        return ToolSpec(
+            tools=tuple(self.tools),
+            max_turns=self.max_turns,
+            max_tool_output_tokens=self.max_tool_output_tokens,
+            call_start=self.tool_call_start,
+            call_end=self.tool_call_end,
+            result_start=self.tool_result_start,
+            result_end=self.tool_result_end,
+            timeout_s=self.tool_timeout_s,
+            memory_mb=self.tool_memory_mb,
+            workers=self.tool_workers,
+        ).as_dict()
+
+    def engine_options(self, name: str) -> dict:
+        if name == "hf":
+            return {
+                "batch_size": self.batch_size,
+                "max_batch_tokens": self.max_batch_tokens,
+                "decode": self.hf_decode,
+            }
+        return self.vllm.model_dump()
+
+    def engine_spec(self, name: str | None = None) -> dict:
+        """``{"name", "options", "check_sync"}`` for a stage (``None``: ``engine``)."""
+        name = name or self.engine
+        spec = {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
+        tools = self.tool_spec()
+        return {**spec, "tools": tools} if tools else spec
+
+
+class RejectionConfig(Section):
+    num_prompts: int = Field(512, ge=1)
+    num_generations: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    max_completion_length: int = Field(48, ge=1)
+    min_reward: float = Field(0.0, description="keep completions whose total reward >= this")
+    max_per_prompt: int = Field(2, ge=1)
+    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
+    require: list[str] = Field(
+        default_factory=lambda: ["accuracy", "format"],
+        description="reward functions that must score 1.0 for a completion to be kept",
+    )
+
+
+class EvalConfig(Section):
+    """Held-out evaluation (grpo_core/algorithm/evaluation.py). A completion counts as correct only with
+    the accuracy reward's full credit: for ``code_tests``, all of the problem's tests pass."""
+
+    num_examples: int | None = Field(None, ge=1, description="None: the whole eval split")
+    max_completion_length: int = Field(48, ge=1)
+    num_samples: int = Field(
+        1, ge=1, description="k samples per problem: 1 is greedy pass@1; k > 1 adds pass@k, maj@k"
+    )
+    temperature: float | None = Field(
+        None, ge=0, description="None: greedy for num_samples 1, else 1.0"
+    )
+    sample_table_rows: int = Field(20, ge=0)
+    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
+    accuracy_reward: str = Field(
+        "accuracy",
+        description="accuracy (<answer> tag), math_verify (\\boxed{}), code_tests (all tests "
+        "pass), or any reward name",
+    )
+    format_reward: str = "format"

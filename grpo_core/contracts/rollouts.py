@@ -1,0 +1,233 @@
+"""The rollout and scored Parquet contracts (docs/architecture.md, "Data contracts").
+
+Rollouts: one row per completion. Scored: the rollout rows plus one ``reward_<fn>`` and
+``error_<fn>`` column per reward function, ``reward`` (weighted sum) and ``advantage``.
+Scoring writes a new file; the rollout file is never rewritten.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from grpo_core.contracts.text import decode_completion, prompt_text
+
+if TYPE_CHECKING:
+    from grpo_core.engines.generation import Sample
+
+SCHEMA_VERSION = "2"  # 2: group_idx
+META_KEY = b"grpo_pipeline"
+
+ROLLOUT_COLUMNS = {
+    "prompt_id": "stable hash of the prompt (same prompt, same id, across runs)",
+    "group_idx": "index of the drawn prompt within its iteration: rows of one group share it "
+    "(the same prompt drawn twice in one iteration makes two groups)",
+    "sample_idx": "index of this completion within its prompt's group (0..num_generations-1)",
+    "prompt": "the prompt as given in the data (text or chat messages)",
+    "prompt_text": "the prompt after the chat template, as the model saw it",
+    "completion": "decoded completion text (special tokens removed)",
+    "prompt_ids": "prompt token ids",
+    "completion_ids": "completion token ids (ends with EOS when finish_reason is 'stop')",
+    "completion_logprobs": "sampling policy's log-probability of each completion token",
+    "completion_length": "number of completion tokens",
+    "finish_reason": "'stop' (EOS or a stop string) or 'length' (hit max_completion_length)",
+    "policy_id": "content hash of the checkpoint that sampled the row",
+    "iteration": "RL iteration (generation batch) that produced the row",
+}
+# Read without them: files from before schema 2 (or from other tools) group by prompt_id;
+# the episode columns are written only when some episode has more than the model's one turn.
+EPISODE_COLUMNS = {
+    "loss_mask": "per completion token: 1 the model wrote it, 0 an environment added it (no "
+    "loss); absent: every token the model's",
+    "turns": "the episode's turns, each {role, start, end, text, error, seconds}: the token "
+    "span in the completion, its text, a tool call's error (null: it ran) and wall time; "
+    "absent: one assistant turn",
+    "tool_calls": "tool calls in the episode",
+    "tool_errors": "tool calls that failed (raised, timed out, were killed)",
+    "tool_time_s": "the episode's tool calls' wall time",
+}
+OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS)
+EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
+SCORED_COLUMNS = {
+    "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
+    "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
+    "reward": "weighted sum of the reward functions (TRL's nansum)",
+    "advantage": "group-normalised advantage used by the GRPO update",
+}
+
+
+def prompt_hash(prompt: Any) -> str:
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """16 hex digits of a sha256 over the tokenizer's vocabulary (token -> id, the model's
+    vocabulary without added tokens), recorded as ``tokenizer`` in a rollout file's metadata
+    so that ``grpo update`` can refuse token ids from another tokenizer. A transformers
+    tokenizer and a ``tokenizers.Tokenizer`` read from the same ``tokenizer.json`` give the
+    same fingerprint."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+    try:
+        vocab = backend.get_vocab(with_added_tokens=False)
+    except TypeError:  # a Python ("slow") tokenizer
+        vocab = tokenizer.get_vocab()
+    blob = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def rollout_table(
+    rows: list[dict],
+    prompt_ids: list[list[int]],
+    samples: list[Sample],
+    tokenizer,
+    *,
+    policy_id: str,
+    iteration: int,
+    metadata: dict | None = None,
+) -> pa.Table:
+    """Rows of the rollout contract; ``rows[i]``'s other columns are passed through. The
+    metadata records the tokenizer's fingerprint (:func:`tokenizer_fingerprint`)."""
+    records = []
+    # once per prompt, not once per completion (the chat template is rendered in Python)
+    hashes = {i: prompt_hash(rows[i]["prompt"]) for i in {s.prompt_index for s in samples}}
+    texts = {i: prompt_text(tokenizer, rows[i]["prompt"]) for i in hashes}
+    # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
+    episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
+    for s in samples:
+        row = rows[s.prompt_index]
+        rec = {
+            "prompt_id": hashes[s.prompt_index],
+            "group_idx": s.prompt_index,
+            "sample_idx": s.sample_index,
+            "prompt": row["prompt"],
+            "prompt_text": texts[s.prompt_index],
+            "completion": decode_completion(tokenizer, s.completion_ids),
+            "prompt_ids": prompt_ids[s.prompt_index],
+            "completion_ids": s.completion_ids,
+            "completion_logprobs": s.logprobs,
+            "completion_length": len(s.completion_ids),
+            "finish_reason": s.finish_reason,
+            "policy_id": policy_id,
+            "iteration": iteration,
+        }
+        if episodes:
+            n = len(s.completion_ids)
+            turns = s.turns or [{"role": "assistant", "start": 0, "end": n}]
+            tools = [t for t in turns if t["role"] == "tool"]
+            rec["loss_mask"] = s.loss_mask or [1] * n
+            rec["turns"] = [{**EMPTY_TURN, **t} for t in turns]
+            rec["tool_calls"] = len(tools)
+            rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
+            rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
+        for k, v in row.items():
+            if k not in rec and k != "completion":
+                rec[k] = v
+        records.append(rec)
+    table = pa.Table.from_pylist(records)
+    meta = {"kind": "rollouts", "tokenizer": tokenizer_fingerprint(tokenizer)}
+    return with_metadata(table, {**meta, **(metadata or {})})
+
+
+def with_metadata(table: pa.Table, meta: dict) -> pa.Table:
+    merged = {**read_metadata_of(table), "schema_version": SCHEMA_VERSION, **meta}
+    existing = dict(table.schema.metadata or {})
+    existing[META_KEY] = json.dumps(merged, default=str).encode()
+    return table.replace_schema_metadata(existing)
+
+
+def read_metadata_of(table: pa.Table) -> dict:
+    raw = (table.schema.metadata or {}).get(META_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def read_table(path: str | Path, required: dict[str, str] | None = None) -> pa.Table:
+    """Read a Parquet file and check that the contract's columns are there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such Parquet file")
+    table = pq.read_table(path)
+    required = ROLLOUT_COLUMNS if required is None else required
+    missing = [
+        c
+        for c in required
+        if "<" not in c and c not in OPTIONAL_COLUMNS and c not in table.column_names
+    ]
+    if missing:
+        raise ValueError(
+            f"{path}: missing column(s) {', '.join(missing)}; expected the rollout contract "
+            f"columns {', '.join(c for c in required if '<' not in c)}"
+        )
+    return table
+
+
+def read_rollouts(path: str | Path) -> pa.Table:
+    return read_table(path, ROLLOUT_COLUMNS)
+
+
+def read_scored(path: str | Path) -> pa.Table:
+    return read_table(path, {**ROLLOUT_COLUMNS, "reward": "", "advantage": ""})
+
+
+def scored_table(
+    rollouts: pa.Table,
+    per_function: dict[str, list],
+    errors: dict[str, list],
+    total: list[float],
+    advantages: list[float],
+    *,
+    metadata: dict | None = None,
+) -> pa.Table:
+    """Rollout rows + reward columns + advantage (the rollout table itself is untouched)."""
+    table = rollouts
+    for name, scores in per_function.items():
+        table = table.append_column(f"reward_{name}", pa.array(scores, type=pa.float64()))
+        table = table.append_column(f"error_{name}", pa.array(errors[name], type=pa.string()))
+    table = table.append_column("reward", pa.array(total, type=pa.float64()))
+    table = table.append_column("advantage", pa.array(advantages, type=pa.float32()))
+    return with_metadata(table, {"kind": "scored", **(metadata or {})})
+
+
+def group_ids(table: pa.Table, source: str | Path = "table") -> list[int]:
+    """Integer group id per row: one group per ``(iteration, group_idx)``, numbered in order
+    of first appearance.
+
+    Files written before ``group_idx`` existed (or by other tools) are grouped by
+    ``(iteration, prompt_id)``, which is only right when no prompt was drawn twice in one
+    iteration: a repeated ``sample_idx`` within such a group means it was, and is an error.
+    """
+    names = table.column_names
+    if "group_idx" in names:
+        keys = zip(
+            table.column("iteration").to_pylist(),
+            table.column("group_idx").to_pylist(),
+            strict=True,
+        )
+        ids: dict[tuple, int] = {}
+        return [ids.setdefault(k, len(ids)) for k in keys]
+    keys = list(
+        zip(
+            table.column("iteration").to_pylist(),
+            table.column("prompt_id").to_pylist(),
+            strict=True,
+        )
+    )
+    ids = {}
+    out = [ids.setdefault(k, len(ids)) for k in keys]
+    seen: set[tuple[int, int]] = set()
+    for row, (gid, sample) in enumerate(
+        zip(out, table.column("sample_idx").to_pylist(), strict=True)
+    ):
+        if (gid, sample) in seen:
+            iteration, prompt_id = keys[row]
+            raise ValueError(
+                f"{source}: row {row} repeats sample_idx {sample} of prompt_id {prompt_id} in "
+                f"iteration {iteration}: the prompt was drawn twice, and without a 'group_idx' "
+                "column (one value per drawn prompt) its two groups cannot be told apart"
+            )
+        seen.add((gid, sample))
+    return out

@@ -1,0 +1,179 @@
+"""Environments a policy acts in during a rollout: the protocol, the settings, and the
+built-in ``python`` tool.
+
+An :class:`Environment` starts an :class:`Episode` from a data row; the turn loop
+(grpo_core/engines/turns.py) hands the episode each model turn (its text) and gets back an
+:class:`Observation` to append to the conversation, or None when the episode ends. The
+observation is text: the turn loop tokenises it once and appends the ids (never the whole
+conversation again); those tokens get loss mask 0.
+
+Built in: ``python`` (:class:`PythonTool`): when a model turn ends with the call marker
+(``</tool_call>`` by default), the code between the markers runs in the code sandbox
+(grpo_core/rewards/sandbox.py: same isolation, time and memory limits per call as the code
+rewards); what it prints (and the value of a last bare expression, as in a notebook) comes
+back between the result markers. Each call is a fresh program: nothing persists between the
+calls of one episode. A user's environment is named ``module:function`` (or
+``file.py:function``), as a reward function is: a callable ``(spec: ToolSpec) ->
+Environment``.
+
+Nothing here imports prefect, mlflow or ray.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+RESULT_START, RESULT_END = "<tool_response>", "</tool_response>"
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """The rollout's environment settings (``rollout.tools`` and the knobs beside it),
+    picklable: it crosses to the engine process and the Ray replicas."""
+
+    tools: tuple[str, ...] = ("python",)
+    max_turns: int = 4  # model turns per episode (tool calls: at most max_turns - 1)
+    max_tool_output_tokens: int = 64  # an observation's tokens, markers included
+    call_start: str = CALL_START
+    call_end: str = CALL_END
+    result_start: str = RESULT_START
+    result_end: str = RESULT_END
+    timeout_s: float = 5.0  # one call's wall clock
+    memory_mb: int = 512  # one call's address space
+    workers: int = 0  # tool calls run at once (0: the machine's cores)
+    isolation: str | None = None  # the sandbox's (None: sandbox.isolation / auto)
+
+    def as_dict(self) -> dict:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+@dataclass
+class Observation:
+    """What the environment answers a model turn with: ``text`` (appended as is, markers
+    included), the call's ``error`` (None: it ran) and its wall ``seconds``."""
+
+    text: str
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@runtime_checkable
+class Episode(Protocol):
+    def step(self, model_turn: str) -> Observation | None:
+        """The model's turn (its text) -> the observation to append, or None: the episode
+        ends here."""
+        ...
+
+
+@runtime_checkable
+class Environment(Protocol):
+    def start(self, row: dict | None) -> Episode:
+        """A new episode for the data row (None when the caller has no row)."""
+        ...
+
+
+def environment(spec: ToolSpec) -> Environment:
+    """The environment of ``spec.tools``: the built-in ``python`` tool, or a user's
+    ``module:function`` factory called with ``spec``."""
+    (name,) = spec.tools if len(spec.tools) == 1 else (None,)
+    if name == "python":
+        return PythonTool(spec)
+    if name is not None and ":" in name:
+        from grpo_core.rewards.base import load_user_function
+
+        return load_user_function(name)(spec)
+    raise ValueError(
+        f"rollout.tools: {list(spec.tools)}: give one tool, 'python' or 'module:function'"
+    )
+
+
+def called_code(turn: str, spec: ToolSpec) -> str | None:
+    """The code of the call a model turn ends with (between the last call start and the
+    call end that ends the turn; a ```python fence is dropped), or None: no call."""
+    text = turn.rstrip()
+    if not text.endswith(spec.call_end):
+        return None
+    body = text[: -len(spec.call_end)]
+    start = body.rfind(spec.call_start)
+    if start < 0:
+        return None
+    code = body[start + len(spec.call_start) :].strip()
+    if code.startswith("```"):
+        code = code.split("\n", 1)[1] if "\n" in code else ""
+        code = code.removesuffix("```").rstrip()
+    return code
+
+
+def echo_last_expression(code: str) -> str:
+    """``code`` with a last bare expression printed when it is not None, as a notebook
+    cell shows it (code that does not parse is returned unchanged: the sandbox reports the
+    SyntaxError)."""
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return code
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return code
+    last = tree.body[-1]
+    value = ast.unparse(last.value)
+    head = "\n".join(ast.unparse(n) for n in tree.body[:-1])
+    echo = f"__grpo_value__ = ({value})\nif __grpo_value__ is not None:\n    print(repr(__grpo_value__))"
+    return f"{head}\n{echo}" if head else echo
+
+
+@dataclass
+class PythonTool:
+    """The ``python`` tool: each call runs the model's code in the code sandbox."""
+
+    spec: ToolSpec
+    calls: int = field(default=0, init=False)
+
+    def start(self, row: dict | None) -> Episode:
+        return _PythonEpisode(self)
+
+    def run(self, code: str) -> Observation:
+        """Run ``code`` in the sandbox; its output (or its error's last line) as the
+        observation text between the result markers."""
+        from grpo_core.rewards.sandbox import Limits, run_program
+
+        self.calls += 1
+        limits = Limits(
+            wall_seconds=self.spec.timeout_s,
+            cpu_seconds=max(1, math.ceil(self.spec.timeout_s)),
+            memory_bytes=self.spec.memory_mb << 20,
+        )
+        start = time.perf_counter()
+        try:
+            res = run_program(echo_last_expression(code), kind="tool", limits=limits,
+                              isolation=self.spec.isolation)  # fmt: skip
+            output, error = res.output, None if res.program_ok else (res.error or "failed")
+        except Exception as exc:  # the sandbox itself failed: an error observation
+            output, error = "", f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - start
+        text = output.strip() if error is None else (output.strip() + "\n" + error).strip()
+        return Observation(f"{self.spec.result_start}{text}{self.spec.result_end}", error, seconds)
+
+
+@dataclass
+class _PythonEpisode:
+    tool: PythonTool
+
+    def step(self, model_turn: str) -> Observation | None:
+        code = called_code(model_turn, self.tool.spec)
+        return None if code is None else self.tool.run(code)
+
+
+def load_spec(value: Any) -> ToolSpec | None:
+    """A ``ToolSpec`` from its dict (the engine spec carries it), or None."""
+    if value is None or isinstance(value, ToolSpec):
+        return value
+    data = dict(value)
+    data["tools"] = tuple(data.get("tools") or ())
+    return ToolSpec(**data)

@@ -1,0 +1,258 @@
+"""The turn loop: the one place above the engines where an episode is sampled, and the one
+request every sampling path hands down.
+
+:class:`SampleRequest` says what to sample (the ``SamplingParams``) and with what (the
+engine's name and options, how the sampling copy of the policy loads, whether to probe the
+weight sync, the progress bar's label, the environment: ``tools``). The rollout task builds
+it once; the executor (cluster/executor.py), the local engine process
+(cluster/engine_process.py) and the Ray rollout replicas (cluster/rollout_workers.py,
+cluster/replica.py) pass it on unchanged, and whichever process holds the engine calls
+:func:`run_turns`.
+
+Without an environment an episode is one model turn: the engine's samples as they are
+(``Sample.loss_mask`` and ``turns`` None: every token the model's). With one
+(``rollout.tools``, grpo_core/engines/environments.py), token in, token out:
+
+1. the engine samples each prompt's first turn, stopping at the call marker as at EOS;
+2. a turn that ends with a call goes to the episode (its text), which answers with an
+   observation; the observation is tokenised once and appended to the episode's ids, with
+   loss mask 0 and log-prob 0 (the sampler's log-probs exist for model tokens only);
+3. the next turn continues from the exact ids so far (prompt + every turn), never from a
+   re-rendered conversation, until a turn ends without a call, ``rollout.max_turns`` model
+   turns are done, or ``max_completion_length`` (the whole trajectory's budget) runs out
+   (``finish_reason`` ``length``, as for a single turn).
+
+The tool calls of one turn run at once, on ``rollout.tool_workers`` threads. Nothing here
+imports prefect, mlflow or ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
+
+if TYPE_CHECKING:
+    from grpo_core.engines.generation import Sample, SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """What to sample and with which engine (picklable: it crosses to the engine process
+    and the Ray replicas)."""
+
+    params: SamplingParams
+    engine: str = "hf"
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    # how a process that loads its own copy of the policy loads it (the run's model section)
+    load_options: Mapping[str, Any] = field(default_factory=dict)
+    check_sync: bool = False  # probe that the engine's weights are the trainer's
+    desc: str = "rollout"
+    tools: Mapping[str, Any] | None = None  # the environment (ToolSpec's fields); None: none
+    rows: tuple | None = None  # the prompts' data rows, for environments that read them
+
+    @classmethod
+    def of(cls, spec: Mapping, params: SamplingParams, *, load_options=None, desc: str):
+        """The request for an engine ``spec`` (``{"name", "options", "check_sync"}``, the
+        stage's engine setting)."""
+        return cls(
+            params,
+            engine=spec["name"],
+            engine_options=dict(spec.get("options") or {}),
+            load_options=dict(load_options or {}),
+            check_sync=bool(spec.get("check_sync", False)),
+            desc=desc,
+            tools=spec.get("tools") or None,
+        )
+
+    def with_params(self, params: SamplingParams, desc: str | None = None) -> SampleRequest:
+        return dataclasses.replace(self, params=params, desc=desc or self.desc)
+
+    def shard(self, start: int, end: int, params: SamplingParams) -> SampleRequest:
+        """The request for prompts ``start:end`` (a rollout replica's shard)."""
+        rows = None if self.rows is None else self.rows[start:end]
+        return dataclasses.replace(self, params=params, rows=rows)
+
+    def run(self, engine, prompt_ids: list[list[int]], *, progress: bool) -> list[Sample]:
+        """:func:`run_turns` of this request with ``engine``."""
+        return run_turns(engine, prompt_ids, self.params, desc=self.desc, progress=progress,
+                         tools=self.tools, rows=self.rows)  # fmt: skip
+
+
+def run_turns(
+    engine,
+    prompt_ids: list[list[int]],
+    params: SamplingParams,
+    *,
+    desc: str,
+    progress: bool,
+    tools: ToolSpec | Mapping | None = None,
+    rows=None,
+) -> list[Sample]:
+    """``params.n`` episodes per prompt with ``engine`` (anything with the rollout engines'
+    ``generate`` and a ``tokenizer``), ordered by prompt then sample index. Without
+    ``tools``, one model turn each: the engine's samples. With ``tools`` (a ``ToolSpec`` or
+    its fields), the turn loop of this module's docstring; ``rows[i]`` is prompt i's data
+    row, for the environment's episodes."""
+    spec = load_spec(tools)
+    if spec is None:
+        return engine.generate(prompt_ids, params, desc=desc, progress=progress)
+    return _Episodes(engine, spec, params, desc, progress).run(prompt_ids, rows)
+
+
+@dataclass
+class _Episode:
+    prompt: list[int]
+    prompt_index: int
+    sample_index: int
+    env: Any  # the environment's Episode
+    left: int  # tokens of the trajectory's budget still free
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    finish: str = "stop"
+
+    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0) -> None:
+        start = len(self.ids)
+        self.ids += ids
+        self.logprobs += logprobs
+        self.mask += [1 if role == "assistant" else 0] * len(ids)
+        self.left -= len(ids)
+        self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
+                           "error": error, "seconds": round(seconds, 4)})  # fmt: skip
+
+    def sample(self) -> Sample:
+        from grpo_core.engines.generation import Sample
+
+        return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
+                      self.mask, self.turns)  # fmt: skip
+
+
+@dataclass
+class _Episodes:
+    """One call's episodes, turn by turn."""
+
+    engine: Any
+    spec: ToolSpec
+    params: SamplingParams
+    desc: str
+    progress: bool
+
+    def run(self, prompt_ids: list[list[int]], rows) -> list[Sample]:
+        env = environment(self.spec)
+        params = dataclasses.replace(self.params, stop=(*self.params.stop, self.spec.call_end))
+        samples = self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
+        episodes = [
+            _Episode(prompt_ids[s.prompt_index], s.prompt_index, s.sample_index,
+                     env.start(rows[s.prompt_index] if rows else None), params.max_new_tokens)
+            for s in samples
+        ]  # fmt: skip
+        active, turn = list(zip(episodes, samples, strict=True)), 0
+        while active:
+            calls = [(ep, text) for ep, s in active if (text := self._model_turn(ep, s, turn))]
+            going = self._observe(calls)
+            if not going:
+                break
+            turn += 1
+            seed = None if params.seed is None else params.seed + 1_000_003 * turn
+            nxt = dataclasses.replace(params, n=1, seed=seed,
+                                      max_new_tokens=max(ep.left for ep in going))  # fmt: skip
+            outs = self.engine.generate([ep.prompt + ep.ids for ep in going], nxt,
+                                        desc=f"{self.desc} turn {turn + 1}",
+                                        progress=self.progress)  # fmt: skip
+            active = list(zip(going, outs, strict=True))
+        return [ep.sample() for ep in episodes]
+
+    def _model_turn(self, ep: _Episode, s, turn: int) -> str | None:
+        """Append the model's turn (within the budget); its text when it calls a tool and
+        the episode may go on, else None (the episode is over)."""
+        tok = self.engine.tokenizer
+        ids = list(s.completion_ids[: ep.left])
+        ep.add(
+            "assistant",
+            ids,
+            list(s.logprobs[: len(ids)]),
+            tok.decode(ids, skip_special_tokens=True),
+        )
+        cut = len(ids) < len(s.completion_ids)
+        ep.finish = "length" if cut else s.finish_reason
+        if cut or s.finish_reason != "stop" or ep.left <= 0 or turn + 1 >= self.spec.max_turns:
+            return None
+        text = tok.decode(ids, skip_special_tokens=False)
+        return text if text.rstrip().endswith(self.spec.call_end) else None
+
+    def _step(self, call: tuple[_Episode, str]) -> Observation | None:
+        """The episode's answer to a turn; an environment that raises answers with its error
+        (recorded in the turn, the episode goes on)."""
+        ep, text = call
+        start = time.perf_counter()
+        try:
+            return ep.env.step(text)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            body = f"{self.spec.result_start}{error}{self.spec.result_end}"
+            return Observation(body, error, time.perf_counter() - start)
+
+    def _observe(self, calls: list[tuple[_Episode, str]]) -> list[_Episode]:
+        """Run the turn's tool calls at once; append each observation's tokens. The
+        episodes that go on."""
+        if not calls:
+            return []
+        workers = self.spec.workers or os.cpu_count() or 1
+        with ThreadPoolExecutor(max_workers=min(workers, len(calls))) as pool:
+            observations = list(pool.map(self._step, calls))
+        tok, going = self.engine.tokenizer, []
+        for (ep, _), obs in zip(calls, observations, strict=True):
+            if obs is None:  # the environment ends the episode
+                continue
+            ids = _clip(tok.encode(obs.text, add_special_tokens=False),
+                        self.spec.max_tool_output_tokens,
+                        tok.encode(self.spec.result_end, add_special_tokens=False))  # fmt: skip
+            take = ids[: ep.left]
+            text = tok.decode(take, skip_special_tokens=True)
+            ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)
+            if len(take) < len(ids) or ep.left <= 0:
+                ep.finish = "length"
+                continue
+            going.append(ep)
+        return going
+
+
+def _clip(ids: list[int], limit: int, end: list[int]) -> list[int]:
+    """An observation's ids within ``limit`` tokens, still ending with the result marker
+    ``end`` when it had to be cut."""
+    if len(ids) <= limit:
+        return ids
+    keep = max(0, limit - len(end))
+    return ids[:keep] + end[: limit - keep]
+
+
+class TurnEngine:
+    """An engine whose ``generate`` runs the turn loop with ``tools`` (a held-out eval of a
+    tool-using policy samples as its rollouts do)."""
+
+    def __init__(self, engine, tools) -> None:
+        self.engine, self.tools = engine, load_spec(tools)
+        self.name = getattr(engine, "name", "engine")
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        return self.engine.config
+
+    def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
+        return run_turns(self.engine, prompt_ids, params, desc=desc, progress=progress,
+                         tools=self.tools)  # fmt: skip
+
+    def sleep(self) -> None:
+        getattr(self.engine, "sleep", lambda: None)()

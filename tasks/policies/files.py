@@ -1,0 +1,74 @@
+"""A policy that this process does not load: for work done elsewhere.
+
+With ``cluster.backend: ray`` the rollout replicas sample, the trainer group trains, and the
+driver (on a head that may have no GPU and little memory) needs of a policy only its id, its
+tokenizer and its config: the replicas load the weights from the checkpoint the trainer
+group wrote (``cluster/rollout_workers.py``), so the driver never holds the model nor ships
+a second copy of it through Ray's object store. :func:`files` hands out that light handle;
+where the weights exist only in memory (this process holds them) or must be recomputed (a
+record whose kept state was pruned: ``tasks/update.py: policy`` replays it), it returns the
+warm policy instead, which has a ``model``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tasks.policies import memo as policy_memo
+from tasks.policies import ref as policy_ref
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclass
+class PolicyFiles:
+    """A policy's weights on disk (``checkpoint``: a save_pretrained folder), its id, and
+    what of it the driver reads: tokenizer and config. ``model`` is None: nothing loaded."""
+
+    checkpoint: Path
+    policy_id: str
+    tokenizer: Any
+    config: Any
+    model: None = None
+
+
+def files(checkpoint: str | Path):
+    """``checkpoint``'s :class:`PolicyFiles`, or the warm policy (``policy_memo.get``) when
+    this process holds those weights or they are on no disk."""
+    checkpoint = Path(checkpoint)
+    pid = policy_memo.policy_id(checkpoint)
+    warm = policy_memo.warm()
+    if warm is not None and warm.policy_id == pid:
+        return warm
+    weights = policy_ref.saved_at(checkpoint)  # the folder itself, or a record's kept one
+    if weights is None or not (Path(weights) / "config.json").exists():
+        from tasks.update import policy
+
+        return policy(checkpoint)  # in memory elsewhere only: replayed here
+    from transformers import AutoConfig
+
+    weights = Path(weights)
+    return PolicyFiles(weights, pid, _tokenizer(weights), AutoConfig.from_pretrained(weights))
+
+
+_TOKENIZERS: dict[str, Any] = {}  # tokenizer files' hash -> tokenizer (one per run, mostly)
+
+
+def _tokenizer(folder: Path):
+    """``folder``'s tokenizer, loaded once per distinct tokenizer files (every checkpoint of
+    a run has the same)."""
+    from grpo_core.training.checkpoint import load_tokenizer
+
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.exists():
+            h.update(name.encode() + path.read_bytes())
+    key = h.hexdigest()
+    if key not in _TOKENIZERS:
+        _TOKENIZERS.clear()
+        _TOKENIZERS[key] = load_tokenizer(folder)
+    return _TOKENIZERS[key]

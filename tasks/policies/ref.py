@@ -1,0 +1,74 @@
+"""An RL iteration's policy without its weights on disk: ``iter_NNNN/policy.json``.
+
+An RL update keeps its new weights in memory (tasks/policies/memo.py) and writes them only at
+the stage's save points (``rl.save_steps``; grpo_core/training/checkpoint_writer.py). What it always
+writes is this small record: the new weights' ``policy_id`` (their content hash, computed in
+memory), the optimizer step reached, the kept checkpoint folder when there is one, and how
+to make the weights again: the policy the update started from (another record, or a
+checkpoint folder) and the update's own arguments, whose scored file is in the run folder.
+A task handed a record whose weights are neither in memory nor kept replays the updates from
+the nearest kept state (:func:`tasks.policies.memo.get`); on CPU, where the update is
+deterministic, that gives the same weights bit for bit, and the record's ``policy_id`` is
+checked. Paths are stored relative to the run folder (tasks/cache.py: ``portable``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from grpo_core.contracts.io import write_json
+from grpo_core.contracts.run_folder import localised, portable, run_root
+
+REF_NAME = "policy.json"
+KIND = "grpo-policy-ref"
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    policy_id: str
+    global_step: int  # the stage's optimizer steps after the update
+    checkpoint: str | None  # the kept checkpoint folder with these weights, if any
+    update: dict  # tasks.update.update's arguments: replaying them gives these weights
+
+    @property
+    def parent(self) -> str:
+        return self.update["policy_checkpoint"]
+
+    def kept(self) -> Path | None:
+        """The kept checkpoint folder when it exists (it may have been pruned)."""
+        if self.checkpoint and (Path(self.checkpoint) / "config.json").exists():
+            return Path(self.checkpoint)
+        return None
+
+
+def is_ref(path: str | Path) -> bool:
+    return Path(path).name == REF_NAME and Path(path).is_file()
+
+
+def policy_id(path: str | Path) -> str:
+    """The ``policy_id`` of a checkpoint folder (its weights' hash, verified) or of a record
+    (the hash it recorded)."""
+    from grpo_core.training.checkpoint import policy_id as checkpoint_policy_id
+
+    return read_ref(path).policy_id if is_ref(path) else checkpoint_policy_id(path)
+
+
+def saved_at(path: str | Path) -> Path | None:
+    """Where the weights ``path`` names are on disk: a checkpoint folder itself, a record's
+    kept checkpoint, or None when that was not kept (or is gone)."""
+    return read_ref(path).kept() if is_ref(path) else Path(path)
+
+
+def write_ref(path: str | Path, ref: PolicyRef) -> Path:
+    body = portable({"kind": KIND, **asdict(ref)}, run_root(path))
+    return write_json(body, path)
+
+
+def read_ref(path: str | Path) -> PolicyRef:
+    body = localised(json.loads(Path(path).read_text()), run_root(path))
+    if not isinstance(body, dict) or body.get("kind") != KIND:
+        raise ValueError(f"{path}: not a policy record (expected kind {KIND!r})")
+    body.pop("kind")
+    return PolicyRef(**body)
