@@ -141,8 +141,6 @@ def generate_batch_static(
     ``stats``: gets ``decode`` (the mode that ran) and ``steps``."""
     from grpo_core.engines.generation import (
         _Completions,
-        _forward_takes,
-        _keeps_last_logits,
         _left_pad,
         _next_tokens,
         _repetition_penalty,
@@ -156,25 +154,7 @@ def generate_batch_static(
     keys = torch.zeros((B, K), dtype=torch.bool, device=device)  # positions a row attends to
     keys[:, :L] = attn.bool()
     cache = StaticCache(config=model.config, max_cache_len=K)
-    impl = model.config._attn_implementation
-    dtype = next(model.parameters()).dtype
-    # prefill: causal over the prompt's real tokens; a padding query sees itself (no empty row)
-    causal = torch.ones((L, K), dtype=torch.bool, device=device).tril()  # [L, K]
-    eye = torch.eye(L, K, dtype=torch.bool, device=device)  # [L, K]
-    allowed = (causal[None] & keys[:, None, :]) | eye[None]  # [B, L, K]
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    with_position = _forward_takes(model, "cache_position")
-    if with_position:
-        extra["cache_position"] = torch.arange(L, device=device)
-    logits = model(
-        input_ids=ids,
-        attention_mask=_mask(allowed[:, None], impl, dtype),
-        position_ids=pos,
-        past_key_values=cache,
-        use_cache=True,
-        **extra,
-    ).logits[:, -1, :]
+    logits, pos, with_position = _prefill(model, ids, attn, keys, cache)
     step = _Step(model, cache, keys, graphs, {"cache_position": with_position})
     out = _Completions(B, T, pad_id, device)
     eos = torch.tensor(sorted(eos_ids), device=device)
@@ -213,6 +193,33 @@ def generate_batch_static(
         stats["decode"] = step.mode
         stats["steps"] = steps
     return out.lists()
+
+
+def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, keys: torch.Tensor, cache):
+    """The prompts' forward into ``cache``: causal over each prompt's real tokens (a padding
+    query sees itself, so no row is empty). Returns the last position's logits [B, V], the
+    positions [B, L], and whether the model takes ``cache_position``."""
+    from grpo_core.engines.generation import _forward_takes, _keeps_last_logits
+
+    device, L, K = ids.device, ids.shape[1], keys.shape[1]
+    causal = torch.ones((L, K), dtype=torch.bool, device=device).tril()  # [L, K]
+    eye = torch.eye(L, K, dtype=torch.bool, device=device)  # [L, K]
+    allowed = (causal[None] & keys[:, None, :]) | eye[None]  # [B, L, K]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+    with_position = _forward_takes(model, "cache_position")
+    if with_position:
+        extra["cache_position"] = torch.arange(L, device=device)
+    impl, dtype = model.config._attn_implementation, next(model.parameters()).dtype
+    logits = model(
+        input_ids=ids,
+        attention_mask=_mask(allowed[:, None], impl, dtype),
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=True,
+        **extra,
+    ).logits[:, -1, :]
+    return logits, pos, with_position
 
 
 class _StopStrings:

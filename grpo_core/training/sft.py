@@ -228,12 +228,8 @@ def train_sft(
         logger.warning("%s: sharded ranks write no resume checkpoint (checkpoint_every)", desc)
         resume_dir = None
     resume_dir = Path(resume_dir) if resume_dir is not None else None
-    state = _resume_state(resume_dir, resume_key, desc, logger)
-    if state is not None:
-        run.resume(model, resume_dir, state)
-        logger.info("%s: resumed at step %d of %d from %s", desc, run.step, s.max_steps, resume_dir)
-        if on_resume is not None:
-            on_resume(run.step, run.history)
+    if run.resume_from(model, resume_dir, resume_key, desc, logger) and on_resume is not None:
+        on_resume(run.step, run.history)
     resumed_from, stopped = run.step, False
     model.train()
     with tqdm(total=s.max_steps, initial=run.step, desc=desc, unit="step", leave=False) as bar:
@@ -248,12 +244,7 @@ def train_sft(
             if stopped:
                 break
             if resume_dir and run.resume_point():
-                if parallel.rank == 0:
-                    run.save(model, tokenizer, resume_dir, resume_key, desc)
-                    logger.info(
-                        "%s: resume checkpoint at step %d of %d", desc, run.step, s.max_steps
-                    )
-                parallel.barrier()
+                run.save(model, tokenizer, resume_dir, resume_key, desc, logger)
     model.eval()
     return SFTResult(run.step, run.loss, run.history, run.dev_history, stopped, resumed_from)
 
@@ -297,6 +288,16 @@ class _Run:
         opt, sched = s.optimization.build(model, total_steps=s.max_steps, section="sft")
         train = TrainState({"stage": "sft"}, opt, sched, 0, {}, precision.scaler, model)
         return cls(s, train, precision, data_rng, parallel)
+
+    def resume_from(self, model, resume_dir: Path | None, key: str, desc: str, logger) -> bool:
+        """Continue from the state in ``resume_dir`` when one was saved with ``key``."""
+        state = _resume_state(resume_dir, key, desc, logger)
+        if state is None:
+            return False
+        self.resume(model, resume_dir, state)
+        steps = self.settings.max_steps
+        logger.info("%s: resumed at step %d of %d from %s", desc, self.step, steps, resume_dir)
+        return True
 
     def resume(self, model, resume_dir: Path, state: dict) -> None:
         """Continue from a resume checkpoint: its weights, optimizer, data order and RNGs."""
@@ -385,8 +386,16 @@ class _Run:
         every, step = self.settings.checkpoint_every, self.step
         return bool(every) and step % every == 0 and step < self.settings.max_steps
 
-    def save(self, model, tokenizer, resume_dir: Path, key: str, desc: str) -> None:
-        """The weights and this state to ``resume_dir``, for a rerun with the same ``key``."""
+    def save(self, model, tokenizer, resume_dir: Path, key: str, desc: str, logger) -> None:
+        """The weights and this state to ``resume_dir``, for a rerun with the same ``key``
+        (written by rank 0; every rank waits for it)."""
+        if self.parallel.rank == 0:
+            self._write(model, tokenizer, resume_dir, key, desc)
+            steps = self.settings.max_steps
+            logger.info("%s: resume checkpoint at step %d of %d", desc, self.step, steps)
+        self.parallel.barrier()
+
+    def _write(self, model, tokenizer, resume_dir: Path, key: str, desc: str) -> None:
         state = {
             "kind": SFT_STATE,
             "key": key,
