@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from cluster.config import ClusterConfig
 from cluster.engines_here import engine_for, sample_here, with_lora_rank
 from grpo_core.engines import WarmEngines
 from grpo_core.engines.turns import SampleRequest, TurnEngine
+from grpo_core.rewards.scoring import ScoreRequest
 
 __all__ = ["Local", "OnRay", "Sampler", "for_config", "trainer_threads", "with_lora_rank"]
 
@@ -149,19 +150,9 @@ class Local:
             return self._elsewhere().sample(policy, prompt_ids, request)
         return sample_here(self.engines, policy, prompt_ids, request)
 
-    def score(
-        self,
-        prompts: Sequence[Any],
-        completions: Sequence[Any],
-        columns: Mapping[str, Sequence[Any]],
-        weights: Mapping[str, float],
-        *,
-        group_ids: Sequence[Any],
-        build: Callable[[], Mapping[str, Callable]],
-    ):
-        from cluster.scoring import score_here
-
-        return score_here(prompts, completions, columns, weights, build)
+    def score(self, request: ScoreRequest):
+        """``request`` (grpo_core/rewards/scoring.py) scored in this process."""
+        return request.score_here()
 
     def update(
         self,
@@ -234,12 +225,10 @@ class OnRay(Local):
             bus=not self.overlapped,
         )
 
-    def score(self, prompts, completions, columns, weights, *, group_ids, build):
+    def score(self, request: ScoreRequest):
         from cluster.scoring import score_sharded
 
-        return score_sharded(
-            self.cfg, prompts, completions, columns, weights, group_ids=group_ids, build=build
-        )
+        return score_sharded(self.cfg, request)
 
     def update(self, run, on_rank, kwargs, *, what, out_checkpoint):
         """``on_rank(data_parallel, **kwargs)`` on every rank of the trainer group; rank 0

@@ -17,11 +17,12 @@ user functions given as ``"file.py:function"`` load from the shared filesystem t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cluster import resources
 from cluster.config import ClusterConfig
+from grpo_core.rewards.scoring import ScoreRequest
 
 log = logging.getLogger(__name__)
 
@@ -36,45 +37,24 @@ def group_shards(group_ids: Sequence[Any], n_shards: int) -> list[tuple[int, int
     return [(bounds[a], bounds[b]) for a, b in shards(len(starts), n_shards)]
 
 
-def score_here(prompts, completions, columns, weights, build):
-    """``score_completions`` with the functions ``build`` makes, in this process: one Ray
-    task's shard, or every row with the local backend."""
-    from grpo_core import rewards
-
-    return rewards.score_completions(prompts, completions, columns, weights, functions=build())
+def _score_shard(request: ScoreRequest):
+    """One Ray task's shard, scored in its worker process."""
+    return request.score_here()
 
 
-def score_sharded(
-    cfg: ClusterConfig,
-    prompts: Sequence[Any],
-    completions: Sequence[Any],
-    columns: Mapping[str, Sequence[Any]],
-    weights: Mapping[str, float],
-    *,
-    group_ids: Sequence[Any],
-    build: Callable[[], Mapping[str, Callable]],
-):
-    """``score_completions`` over ``cfg.scoring.workers`` Ray tasks; returns the gathered
+def score_sharded(cfg: ClusterConfig, request: ScoreRequest):
+    """``request`` scored over ``cfg.scoring.workers`` Ray tasks; returns the gathered
     ``grpo_core.rewards.scoring.ScoreResult``."""
     from cluster.ray_session import ensure_ray
     from grpo_core.rewards.scoring import ScoreResult, weighted_total
 
     ray = ensure_ray(cfg)
     resources.check(ray, "scoring", cfg.scoring, 1)  # one task at least must fit
-    ranges = group_shards(list(group_ids), cfg.scoring.workers)
-    remote = ray.remote(score_here).options(
+    ranges = group_shards(list(request.group_ids), cfg.scoring.workers)
+    remote = ray.remote(_score_shard).options(
         num_cpus=cfg.scoring.num_cpus, num_gpus=cfg.scoring.num_gpus, max_retries=1
     )  # a task whose worker process died runs once more (scoring is deterministic)
-    calls = [
-        remote.remote(
-            list(prompts[a:b]),
-            list(completions[a:b]),
-            {k: list(v[a:b]) for k, v in columns.items()},
-            dict(weights),
-            build,
-        )
-        for a, b in ranges
-    ]
+    calls = [remote.remote(request.rows(a, b)) for a, b in ranges]
     parts = []
     for call in calls:
         try:
@@ -82,9 +62,9 @@ def score_sharded(
         except ray.exceptions.RayTaskError as e:  # the task's own exception, as its type
             cause = e.as_instanceof_cause()
             raise cause from None
-    names = list(weights)
+    names, n = list(request.weights), len(request.completions)
     per_function = {n: [s for p in parts for s in p.per_function[n]] for n in names}
     errors = {n: [s for p in parts for s in p.errors[n]] for n in names}
-    w = {k: float(v) for k, v in weights.items()}
-    log.info("scored %d rows in %d Ray tasks", len(completions), len(ranges))
-    return ScoreResult(per_function, errors, weighted_total(per_function, w, len(completions)), w)
+    w = {k: float(v) for k, v in request.weights.items()}
+    log.info("scored %d rows in %d Ray tasks", n, len(ranges))
+    return ScoreResult(per_function, errors, weighted_total(per_function, w, n), w)

@@ -61,19 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.training.distributed import process_group
     from tasks.policies import memo as policy_memo
-    from tasks.update import update_from_file
+    from tasks.update import UpdateRequest, update_from_file
 
     with process_group(args.backend, args.strategy, args.fsdp_param_dtype) as dp:
-        res = update_from_file(
-            args.policy,
-            args.scored,
-            args.out,
-            cfg.rl,
-            reference_checkpoint=args.reference or args.policy,
-            stage="offline",
-            seed=args.seed,
-            data_parallel=dp,
-        )
+        reference = args.reference or args.policy
+        request = UpdateRequest(args.policy, args.scored, args.out, cfg.rl,
+                                reference_checkpoint=reference, seed=args.seed)  # fmt: skip
+        res = update_from_file(request, data_parallel=dp)
         if dp.rank == 0:
             last = res.history[-1] if res.history else {}
             summary = {

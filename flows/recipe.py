@@ -4,7 +4,7 @@ flows/r1.py runs the table in order; the benchmarks run single stages of it with
 arguments (:func:`sft_inputs`, :func:`rl_inputs`).
 
 Each stage returns a typed result (tasks/results.py): the SFT stages an ``SFTOutcome``, the
-RL stages an ``RLStageOutcome``, rejection sampling a ``RejectionResult`` (its ``path`` is
+RL stages an ``RLStageOutcome``, rejection sampling a ``RejectionOutcome`` (its ``path`` is
 re-SFT's data).
 """
 
@@ -19,12 +19,12 @@ from flows.config import PipelineConfig
 from flows.rl import rl_stage
 from flows.summary import publish_sft_artifact
 from tasks.rejection import rejection_sampling
-from tasks.results import RejectionResult, RLStageOutcome, SFTOutcome
+from tasks.results import RejectionOutcome, RLStageOutcome, SFTOutcome
 from tasks.sft import sft_stage
 from tasks.tracking.stages import Tracking
 from tasks.workspace import Workspace
 
-StageResult = SFTOutcome | RLStageOutcome | RejectionResult
+StageResult = SFTOutcome | RLStageOutcome | RejectionOutcome
 
 
 @dataclass

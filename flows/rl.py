@@ -42,8 +42,8 @@ from tasks.score import score
 from tasks.tracking.charts import chart_metrics
 from tasks.tracking.runs import stage_run
 from tasks.tracking.stages import Tracking
+from tasks.update import UpdateRequest, update
 from tasks.update import policy as load_policy
-from tasks.update import update
 from tasks.workspace import Workspace
 
 # while a stage trains, its curves reach MLflow at most this often (and at its end)
@@ -151,18 +151,21 @@ class _StageTasks:
     def update(self, it: int, policy: str, scored_path: str, step: int):
         """Iteration ``it``'s update of ``policy`` (at optimizer step ``step``)."""
         rl, ws = self.rl, self.ws
-        return named(update, f"{self.name}/update-{it}")(
-            self.stage,
-            it,
+        request = UpdateRequest(
             policy,
             scored_path,
             str(ws.iteration_checkpoint(self.stage, it)),
             rl,
             reference_checkpoint=self.init_checkpoint,
             init_checkpoint=self.init_checkpoint,
+            stage=self.stage,
             global_step=step,
             total_steps=rl.total_optimizer_steps,
             seed=self.seed,
+        )
+        return named(update, f"{self.name}/update-{it}")(
+            request,
+            it,
             force=self.force,
             ref_path=str(ws.policy_ref(self.stage, it)),
             keep=rl.saves_at(it),

@@ -25,7 +25,7 @@ from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
 from tasks.score import score, score_options
-from tasks.update import update
+from tasks.update import UpdateRequest, update
 from tasks.workspace import Workspace
 
 
@@ -94,7 +94,7 @@ def update_flow(
     cfg = ctx.cfg
     knobs = cfg.rl.model_dump()
     out = out or str(ctx.workspace.offline_update(_tag([scored, policy, knobs])))
-    res = update("offline", 0, policy, scored, out, cfg.rl, reference_checkpoint=policy)
+    res = update(UpdateRequest(policy, scored, out, cfg.rl, reference_checkpoint=policy), 0)
     return {
         "checkpoint": res.checkpoint,
         "global_step": res.global_step,

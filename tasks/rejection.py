@@ -26,7 +26,7 @@ from grpo_core.contracts.rollouts import read_scored
 from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import policy_id
 from tasks.cache import cached, stage_key
-from tasks.results import RejectionResult
+from tasks.results import RejectionOutcome
 from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
 from tasks.run_log import logger
 from tasks.score import score_file
@@ -46,7 +46,7 @@ def rejection_sampling(
     seed: int,
     force: bool = False,
     engine: dict | None = None,
-) -> RejectionResult:
+) -> RejectionOutcome:
     engine = engine or HF_ENGINE
     settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
     if engine.get("tools"):  # the environment the policy acts in
@@ -226,7 +226,7 @@ def publish_rejection_artifact(
 
 def _sample_and_filter(
     checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed, engine
-) -> RejectionResult:
+) -> RejectionOutcome:
     files = SamplingDir(Path(stage_dir))
     rows = load_rows(rl_path)
     idx = select_prompts(len(rows), min(cfg.num_prompts, len(rows)), 0, seed, "rejection_sampling")
@@ -275,4 +275,4 @@ def _sample_and_filter(
     logger(__name__).info(
         "%s, over %d prompts", rejection_line(stats), int(stats["prompts_covered"])
     )
-    return RejectionResult(str(sft_path), stats)
+    return RejectionOutcome(str(sft_path), stats)

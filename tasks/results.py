@@ -4,9 +4,10 @@
 came from the stage cache is ``cached``, never a metric. The cache (tasks/cache.py) records
 each result as JSON and rebuilds the same type on a hit. A field marked ``NOT_RECORDED``
 (the MLflow run id, set after the cached call with ``dataclasses.replace``) is left out of
-the record, so a hit never replays another run's id. The scoring and SFT records are named
-``ScoreOutcome`` and ``SFTOutcome``, apart from grpo_core's ``ScoreResult`` (one batch's
-scores) and ``SFTResult`` (the training loop's history), which they summarise.
+the record, so a hit never replays another run's id. Every record here is an ``...Outcome``
+(what a stage task returns); grpo_core's functions return ``...Result`` (``ScoreResult``: one
+batch's scores, ``SFTResult``: the training loop's history, ``EvalResult``), which these
+summarise.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ NOT_RECORDED = {"record": False}  # field metadata: not written to the cache man
 
 
 @dataclass(frozen=True)
-class RolloutResult:
+class RolloutOutcome:
     path: str  # the rollouts Parquet
     metrics: dict[str, float]  # completions/*, timing/rollout_s, rollout/tokens_per_s
     cached: bool = False
@@ -34,7 +35,7 @@ class ScoreOutcome:
 
 
 @dataclass(frozen=True)
-class UpdateResult:
+class UpdateOutcome:
     checkpoint: str  # the policy after the update (its record, tasks/policies/ref.py, in a stage)
     global_step: int  # optimizer steps so far in the stage
     history: list[dict[str, float]] = field(default_factory=list)  # one entry per step
@@ -95,7 +96,7 @@ class EvalOutcome:
 
 
 @dataclass(frozen=True)
-class RejectionResult:
+class RejectionOutcome:
     path: str  # the SFT JSONL of kept completions (prompt, completion, answer, ...)
     # sampled, passed (met the requirements), duplicates and capped (passed, dropped as a
     # repeat / by max_per_prompt), kept (= passed - duplicates - capped), pass_rate (passed /

@@ -25,7 +25,7 @@ from grpo_core.engines.context import check_prompt_lengths, model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key
 from tasks.policies import memo as policy_memo
-from tasks.results import RolloutResult
+from tasks.results import RolloutOutcome
 from tasks.run_log import logger, timer
 from tasks.update import policy
 
@@ -57,7 +57,7 @@ def _permutation(n_rows: int, seed: int, stage: str) -> tuple[int, ...]:
 
 
 def sample_rollouts(
-    policy_checkpoint: str,
+    policy_path: str,
     rows: list[dict],
     out_path: str,
     *,
@@ -70,7 +70,7 @@ def sample_rollouts(
     tools: dict | None = None,
     desc: str = "rollout",
     **sampling,
-) -> RolloutResult:
+) -> RolloutOutcome:
     """:func:`write_rollouts` with the sampling settings as keywords (``temperature``,
     ``max_completion_length``, ``top_p``, ...: the fields of ``grpo_core.config.settings.Sampling``)
     and ``num_generations`` samples per prompt drawn with ``seed``."""
@@ -78,18 +78,18 @@ def sample_rollouts(
     spec = {"name": engine, "options": engine_options, "check_sync": check_sync}
     if tools:  # the environment (grpo_core/engines/environments.py: ToolSpec's fields)
         spec["tools"] = tools
-    return write_rollouts(policy_checkpoint, rows, out_path, params, iteration, spec, desc)
+    return write_rollouts(policy_path, rows, out_path, params, iteration, spec, desc)
 
 
 def write_rollouts(
-    policy_checkpoint: str,
+    policy_path: str,
     rows: list[dict],
     out_path: str,
     params,
     iteration: int,
     engine: dict,
     desc: str = "rollout",
-) -> RolloutResult:
+) -> RolloutOutcome:
     """Sample ``params`` (a ``grpo_core.engines.generation.SamplingParams``) for each prompt of
     ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
     in memory) and write the rollout Parquet; returns path and generation metrics."""
@@ -99,8 +99,8 @@ def write_rollouts(
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
     if request.tools:  # the environment starts each episode from its data row
         request = dataclasses.replace(request, rows=tuple(rows))
-    held = executor.held_policy(policy_memo.policy_id(policy_checkpoint))
-    w = held or policy_for(executor, policy_checkpoint, request)  # held: rl.async_level
+    held = executor.held_policy(policy_memo.policy_id(policy_path))
+    w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
     prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
@@ -108,7 +108,7 @@ def write_rollouts(
     )  # fmt: skip
     with timer() as t:
         samples = executor.sample(w, prompt_ids, request)
-    meta = _metadata(policy_checkpoint, engine, params, executor.rollout_shards(len(rows)),
+    meta = _metadata(policy_path, engine, params, executor.rollout_shards(len(rows)),
                      executor.sampled_dtype(w))  # fmt: skip
     tok = w.tokenizer
     table = rollout_table(
@@ -116,7 +116,7 @@ def write_rollouts(
     )
     write_parquet(table, out_path)
     busy = executor.served_here() if w.model is None else None
-    return RolloutResult(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
+    return RolloutOutcome(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
 
 
 def policy_for(executor, checkpoint: str, request: SampleRequest):
@@ -130,11 +130,11 @@ def policy_for(executor, checkpoint: str, request: SampleRequest):
     return policy(checkpoint)
 
 
-def _metadata(policy_checkpoint, engine: dict, params, shards: int, dtype: str) -> dict:
+def _metadata(policy_path, engine: dict, params, shards: int, dtype: str) -> dict:
     """The rollout file's metadata: what sampled it and how (``dtype``: the sampling
     model's, for the hf engine)."""
     meta = {
-        "model": str(policy_checkpoint),
+        "model": str(policy_path),
         "engine": engine["name"],
         "engine_options": engine["options"] or {},
         "sampling": params.__dict__,
@@ -197,36 +197,36 @@ HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default en
 def rollout(
     stage: str,
     iteration: int,
-    policy_checkpoint: str,
+    policy_path: str,
     rl_path: str,
     out_path: str,
     rl: RLConfig,
     seed: int,
     engine: dict | None = None,
     force: bool = False,
-) -> RolloutResult:
+) -> RolloutOutcome:
     """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
     engine = engine or HF_ENGINE
-    key = rollout_key(stage, iteration, policy_checkpoint, rl_path, rl, seed, engine)
+    key = rollout_key(stage, iteration, policy_path, rl_path, rl, seed, engine)
     return cached(
         f"{stage} iteration {iteration} rollout",
         out_path,
         key,
-        lambda: _rollout(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine),
+        lambda: _rollout(stage, iteration, policy_path, rl_path, out_path, rl, seed, engine),
         force=force,
     )
 
 
-def is_cached(stage, iteration, policy_checkpoint, rl_path, out_path, rl, seed, engine=None):
+def is_cached(stage, iteration, policy_path, rl_path, out_path, rl, seed, engine=None):
     """Whether :func:`rollout` would reuse ``out_path`` (the async schedule takes no
     snapshot of a policy whose rollouts are already there)."""
     from tasks.cache import lookup
 
-    key = rollout_key(stage, iteration, policy_checkpoint, rl_path, rl, seed, engine or HF_ENGINE)
+    key = rollout_key(stage, iteration, policy_path, rl_path, rl, seed, engine or HF_ENGINE)
     return lookup(out_path, key) is not None
 
 
-def rollout_key(stage, iteration, policy_checkpoint, rl_path, rl: RLConfig, seed, engine) -> str:
+def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engine) -> str:
     """The rollout's cache key: what it samples, and the content hashes of the sampling
     policy and the prompts."""
     params = {
@@ -243,16 +243,16 @@ def rollout_key(stage, iteration, policy_checkpoint, rl_path, rl: RLConfig, seed
         params["rollout_shards"] = shards
     if engine.get("tools"):  # the environment's settings (rollout.tools and its knobs)
         params["tools"] = engine["tools"]
-    return stage_key("rollout", params, [policy_checkpoint, rl_path])
+    return stage_key("rollout", params, [policy_path, rl_path])
 
 
 def _rollout(
-    stage, iteration, policy_checkpoint, rl_path, out_path, rl: RLConfig, seed, engine: dict
-) -> RolloutResult:
+    stage, iteration, policy_path, rl_path, out_path, rl: RLConfig, seed, engine: dict
+) -> RolloutOutcome:
     rl_rows = cached_rows(rl_path)
     idx = select_prompts(len(rl_rows), rl.prompts_per_iteration, iteration, seed, stage)
     out = write_rollouts(
-        policy_checkpoint,
+        policy_path,
         [rl_rows[i] for i in idx],
         out_path,
         rl.sampling.params(rl.num_generations, seed=seed * 100_003 + iteration),

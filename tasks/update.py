@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
@@ -23,7 +24,7 @@ from tasks.cache import cached, stage_key
 from tasks.policies import memo as policy_memo
 from tasks.policies import ref as policy_ref
 from tasks.policies.ref import PolicyRef
-from tasks.results import UpdateResult
+from tasks.results import UpdateOutcome
 from tasks.run_log import logger, pull
 
 # RL settings that do not change an update's result, marked on their fields: its key leaves
@@ -31,25 +32,48 @@ from tasks.run_log import logger, pull
 UNKEYED = update_unkeyed(RLConfig)
 
 
+@dataclass(frozen=True)
+class UpdateRequest:
+    """One GRPO update from a file: what makes its weights, and so what an iteration's
+    policy record keeps to replay it (tasks/policies/ref.py). ``policy_path``: a checkpoint
+    folder or an iteration's ``policy.json`` record."""
+
+    policy_path: str
+    scored_path: str
+    out_checkpoint: str
+    rl: RLConfig
+    reference_checkpoint: str | None = None
+    init_checkpoint: str | None = None
+    stage: str = "offline"
+    global_step: int = 0
+    total_steps: int | None = None
+    seed: int = 0
+
+    def record(self, iteration: int, ref_path: str) -> dict:
+        """The arguments a policy record keeps (its ``update``): all but where the weights
+        went, the record's own path instead."""
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del body["out_checkpoint"]
+        return {**body, "rl": self.rl.model_dump(), "iteration": iteration, "ref_path": ref_path}
+
+    @classmethod
+    def replaying(cls, record: dict) -> UpdateRequest:
+        """The request a policy record's ``update`` keeps, writing where the record is."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"out_checkpoint", "rl"}
+        body = {k: record[k] for k in names}
+        return cls(**body, out_checkpoint=record["ref_path"], rl=RLConfig(**record["rl"]))
+
+
 def update_from_file(
-    policy_checkpoint: str,
-    scored_path: str,
-    out_checkpoint: str,
-    rl: RLConfig,
+    request: UpdateRequest,
     *,
-    reference_checkpoint: str | None = None,
-    global_step: int = 0,
-    total_steps: int | None = None,
     on_step=None,
-    stage: str = "offline",
-    init_checkpoint: str | None = None,
-    seed: int = 0,
     data_parallel=None,
     keep: bool = True,
     background: bool = False,
-) -> UpdateResult:
-    """GRPO steps on ``scored_path`` from ``policy_checkpoint``, saved to ``out_checkpoint``
-    with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
+) -> UpdateOutcome:
+    """GRPO steps on the request's ``scored_path`` from its ``policy_path``, saved to
+    ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
     the stage continues from (``tasks/policies/memo.py: train_state``).
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
@@ -59,7 +83,7 @@ def update_from_file(
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
-    0 it is fresh, later it is the state saved with ``policy_checkpoint`` by this stage.
+    0 it is fresh, later it is the state saved with ``policy_path`` by this stage.
 
     ``data_parallel`` (a ``grpo_core.training.distributed.DataParallel``): this is one rank of N that
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
@@ -69,22 +93,22 @@ def update_from_file(
     from grpo_core.contracts.scored_batch import ScoredRows
     from grpo_core.training.parallel import LOCAL
 
-    pull(scored_path)
-    rows = ScoredRows.read(scored_path, dynamic_sampling=rl.dynamic_sampling)
-    init = init_checkpoint or reference_checkpoint or policy_checkpoint
+    r, rl = request, request.rl
+    pull(r.scored_path)
+    rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
+    init = r.init_checkpoint or r.reference_checkpoint or r.policy_path
     # a trainer rank on another node: the inputs this update reads that its node lacks
     pull(
-        policy_checkpoint,
-        reference_checkpoint if rl.beta > 0 else None,
+        r.policy_path,
+        r.reference_checkpoint if rl.beta > 0 else None,
         init if policy_memo.options().lora is not None else None,  # the LoRA adapter's base
     )
-    w = policy(policy_checkpoint, mutate=True, lora_base=init)
+    w = policy(r.policy_path, mutate=True, lora_base=init)
     dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/training/parallel.py)
     if dp.prepare_model(w.model, lora=bool(policy_memo.lora_info(w))):
         w.train = None  # an optimizer built on the unsharded parameters
-    train = _train_state(w, rl, dp, stage=stage, init=init, global_step=global_step, seed=seed,
-                         total_steps=total_steps)  # fmt: skip
-    reference = functools.partial(policy_memo.reference, w, reference_checkpoint)
+    train = _train_state(w, r, dp, init=init)
+    reference = functools.partial(policy_memo.reference, w, r.reference_checkpoint)
     out = iteration.update(
         w.model,
         train,
@@ -99,13 +123,13 @@ def update_from_file(
         logger=logger(__name__),
     )
     _say_once(f"engine importance-sampling correction {out.engine_correction[1]}")
-    logger(__name__).debug("%s: old log-probs: %s (%s)", scored_path, *out.old_logprobs)
-    info = {"scored": scored_path, "global_step": out.global_step}
+    logger(__name__).debug("%s: old log-probs: %s (%s)", r.scored_path, *out.old_logprobs)
+    info = {"scored": r.scored_path, "global_step": out.global_step}
     on_ranks = data_parallel is not None
-    pid = _save(w, train, out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
+    pid = _save(w, train, r.out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
                 background=background)  # fmt: skip
-    policy_memo.put(out_checkpoint, w, pid=pid)
-    return UpdateResult(out_checkpoint, out.global_step, out.history, out.seconds,
+    policy_memo.put(r.out_checkpoint, w, pid=pid)
+    return UpdateOutcome(r.out_checkpoint, out.global_step, out.history, out.seconds,
                         out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
 
 
@@ -120,21 +144,20 @@ def _say_once(message: str) -> None:
         logger(__name__).info(message)
 
 
-def _train_state(
-    w, rl: RLConfig, dp, *, stage: str, init: str, global_step: int, total_steps, seed: int
-):
+def _train_state(w, r: UpdateRequest, dp, *, init: str):
     """The stage's optimizer, schedule and RNG states at ``global_step``, kept with the warm
     policy: the one in memory when it is the state saved at this step, else the saved one,
     else fresh (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
     from grpo_core.training import offload
+    from grpo_core.training.checkpoint import policy_id
     from grpo_core.training.train_state import RLOptimization, TrainState
 
-    optimization = RLOptimization.of_stage(
-        rl,
-        stage=stage,
-        init_checkpoint=init,
-        global_step=global_step,
-        total_steps=total_steps,
+    optimization = RLOptimization.of(
+        r.rl,
+        stage=r.stage,
+        init_policy_id=policy_id(init),
+        global_step=r.global_step,
+        total_steps=r.total_steps,
         sharded=dp.sharded,
     )
     live, w.train = w.train, None  # a failed build leaves no state of the wrong step
@@ -147,9 +170,9 @@ def _train_state(
         saved,
         live,
         key=optimization.key,
-        global_step=global_step,
+        global_step=r.global_step,
         build=optimization.build,
-        seed=seed,
+        seed=r.seed,
         load_optimizer=dp.load_full_optimizer_state,
         logger=logger(__name__),
     )
@@ -202,25 +225,25 @@ def _save(
     return policy_id(out_checkpoint)
 
 
-def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateResult:
+def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`update_from_file` with this rank's ``data_parallel``."""
     process.load_policies_with(model_options, trained_policy=policy_memo.holding)
     return update_from_file(**kwargs, data_parallel=data_parallel)
 
 
-def run_update(*, iteration: int, **kwargs) -> UpdateResult:
-    """:func:`update_from_file` (keywords) where this process's executor runs updates: here,
-    or on every rank of the trainer group (``cluster.backend: ray``,
+def run_update(request: UpdateRequest, *, iteration: int, **options) -> UpdateOutcome:
+    """:func:`update_from_file` (``options``: its keywords) where this process's executor runs
+    updates: here, or on every rank of the trainer group (``cluster.backend: ray``,
     cluster/trainer_group.py) with the run's model load options."""
     from cluster import runtime
 
     return runtime.executor().update(
         update_from_file,
         functools.partial(update_on_rank, model_options=policy_memo.options()),
-        kwargs,
-        what=f"{kwargs.get('stage', 'offline')} iteration {iteration} update",
-        out_checkpoint=kwargs["out_checkpoint"],
+        {"request": request, **options},
+        what=f"{request.stage} iteration {iteration} update",
+        out_checkpoint=request.out_checkpoint,
     )
 
 
@@ -260,23 +283,10 @@ def replay(ref: PolicyRef) -> str:
     """Run again the update ``ref`` records (its scored file, from its parent policy), in
     this process and writing nothing; returns the new weights' ``policy_id``, which the
     caller compares with the recorded one. The weights stay warm, named by the record."""
-    args = dict(ref.update)
-    iteration = args.pop("iteration")
-    out = update_from_file(
-        policy_checkpoint=args["policy_checkpoint"],
-        scored_path=args["scored_path"],
-        out_checkpoint=args["ref_path"],
-        rl=RLConfig(**args["rl"]),
-        reference_checkpoint=args["reference_checkpoint"],
-        global_step=args["global_step"],
-        total_steps=args["total_steps"],
-        stage=args["stage"],
-        init_checkpoint=args["init_checkpoint"],
-        seed=args["seed"],
-        keep=False,
-    )
+    args = ref.update
+    out = update_from_file(UpdateRequest.replaying(args), keep=False)
     logger(__name__).info(
-        "%s iteration %d replayed from %s: policy %s", args["stage"], iteration,
+        "%s iteration %d replayed from %s: policy %s", args["stage"], args["iteration"],
         args["scored_path"], out.policy_id,
     )  # fmt: skip
     return out.policy_id
@@ -284,7 +294,7 @@ def replay(ref: PolicyRef) -> str:
 
 def update_key(
     rl: RLConfig,
-    policy_checkpoint: str,
+    policy_path: str,
     scored_path: str,
     reference_checkpoint: str | None,
     *,
@@ -295,56 +305,37 @@ def update_key(
     """The update's cache key: the RL settings that change its result, where the stage is,
     and the contents of the policy, the scored file and (beta > 0) the reference."""
     knobs = rl.model_dump(exclude=UNKEYED)
-    inputs = [policy_checkpoint, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
+    inputs = [policy_path, scored_path] + ([reference_checkpoint] if rl.beta > 0 else [])
     settings = {**knobs, "global_step": global_step, "total_steps": total_steps, "seed": seed}
     return stage_key("update", settings, inputs)
 
 
-@task(name="update", task_run_name="{stage}-update-{iteration}", cache_policy=NO_CACHE)
+@task(name="update", task_run_name="{request.stage}-update-{iteration}", cache_policy=NO_CACHE)
 def update(
-    stage: str,
+    request: UpdateRequest,
     iteration: int,
-    policy_checkpoint: str,
-    scored_path: str,
-    out_checkpoint: str,
-    rl: RLConfig,
     *,
-    reference_checkpoint: str | None = None,
-    init_checkpoint: str | None = None,
-    global_step: int = 0,
-    total_steps: int | None = None,
-    seed: int = 0,
     force: bool = False,
     ref_path: str | None = None,
     keep: bool = True,
-) -> UpdateResult:
-    """``init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
+) -> UpdateOutcome:
+    """``request.init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
     identity: tasks/policies/memo.py); ``seed`` seeds the RNGs at the stage's first step.
 
     ``ref_path`` (an RL stage's iteration): the update records its policy there
     (tasks/policies/ref.py) and that record is its cached output, whether the weights were
     written to ``out_checkpoint`` (``keep``: a save point) or stay in memory."""
-    key = update_key(rl, policy_checkpoint, scored_path, reference_checkpoint,
-                     global_step=global_step, total_steps=total_steps, seed=seed)  # fmt: skip
-    args = dict(
-        policy_checkpoint=policy_checkpoint,
-        scored_path=scored_path,
-        reference_checkpoint=reference_checkpoint,
-        global_step=global_step,
-        total_steps=total_steps,
-        stage=stage,
-        init_checkpoint=init_checkpoint,
-        seed=seed,
-    )
+    r = request
+    key = update_key(r.rl, r.policy_path, r.scored_path, r.reference_checkpoint,
+                     global_step=r.global_step, total_steps=r.total_steps, seed=r.seed)  # fmt: skip
+    stage, out_checkpoint = r.stage, r.out_checkpoint
 
-    def compute() -> UpdateResult:
+    def compute() -> UpdateOutcome:
         out = run_update(
+            request,
             iteration=iteration,
-            out_checkpoint=out_checkpoint,
-            rl=rl,
             keep=keep,
             background=ref_path is not None,  # the stage drains the writer
-            **args,
         )
         last = out.history[-1] if out.history else {}
         logger(__name__).info(
@@ -365,10 +356,8 @@ def update(
         )
         if ref_path is None:
             return out
-        replay_args = {**args, "iteration": iteration, "ref_path": ref_path, "rl": rl.model_dump()}
-        ref = PolicyRef(
-            out.policy_id, out.global_step, out_checkpoint if out.kept else None, replay_args
-        )
+        kept = out_checkpoint if out.kept else None
+        ref = PolicyRef(out.policy_id, out.global_step, kept, r.record(iteration, ref_path))
         policy_ref.write_ref(ref_path, ref)
         policy_memo.relabel(ref_path)
         return dataclasses.replace(out, checkpoint=ref_path)

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from grpo_core.config.stages import RLConfig
     from grpo_core.contracts.scored_batch import ScoredRows
     from grpo_core.engines.generation import SamplingParams
+    from grpo_core.rewards.scoring import ScoreRequest, ScoreResult
     from grpo_core.training.parallel import LocalParallel
     from grpo_core.training.train_state import TrainState
 
@@ -97,7 +98,7 @@ def score(
     weights: Mapping[str, float],
     scoring: Scoring,
     *,
-    scorer: Callable | None = None,
+    scorer: Callable[[ScoreRequest], ScoreResult] | None = None,
     sandbox_isolation: str | None = None,
     max_error_rate: float = 1.0,
     label: str = "rollouts",
@@ -114,6 +115,7 @@ def score(
     from grpo_core import rewards
     from grpo_core.algorithm.advantages import group_stats
     from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS, group_ids, scored_table
+    from grpo_core.rewards.scoring import ScoreRequest
 
     build = functools.partial(reward_functions, dict(weights), sandbox_isolation, scoring)
     all_weights = dict(weights)
@@ -122,10 +124,8 @@ def score(
     cols = rollouts.to_pydict()
     extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
     gids = group_ids(rollouts, label)
-    run = scorer or _score_here
-    result = run(
-        cols["prompt"], cols["completion"], extra, all_weights, group_ids=gids, build=build
-    )
+    request = ScoreRequest(cols["prompt"], cols["completion"], extra, all_weights, gids, build)
+    result = scorer(request) if scorer is not None else request.score_here()
     check_reward_failures(result, max_error_rate, label)
     adv, informative = advantages(result, gids, rollouts.num_rows, scoring)
     metadata = {
@@ -148,12 +148,6 @@ def score(
     metrics = {**result.metrics(), **group_stats(total, gid_t, informative)}
     n_err = sum(e is not None for errs in result.errors.values() for e in errs)
     return Scored(table, metrics, n_err)
-
-
-def _score_here(prompts, completions, columns, weights, *, group_ids, build):
-    from grpo_core.rewards import score_completions
-
-    return score_completions(prompts, completions, columns, weights, functions=build())
 
 
 def reward_functions(

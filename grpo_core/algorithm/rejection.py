@@ -47,24 +47,17 @@ def classify_completions(
     return out
 
 
-def select_completions(
-    rows: list[dict],
-    *,
-    min_reward: float,
-    max_per_prompt: int,
-    require: dict[str, float] | None = None,
-) -> list[dict]:
+def select_completions(rows: list[dict], **rules) -> list[dict]:
     """Filter scored rollout rows into SFT rows.
 
     rows: dicts with ``prompt_id``, ``prompt``, ``completion``, ``reward`` and any
     ``reward_<fn>`` columns. A row passes when ``reward >= min_reward`` and every
     ``reward_<fn>`` named in ``require`` is at least its value; of the passing rows, exact
     duplicate completions of a prompt are dropped; at most ``max_per_prompt`` per prompt
-    are kept (:func:`classify_completions` says which reason dropped each row).
+    are kept. ``rules`` are :func:`classify_completions`'s keywords (``min_reward``,
+    ``max_per_prompt``, ``require``); it says which reason dropped each row.
     """
-    status = classify_completions(
-        rows, min_reward=min_reward, max_per_prompt=max_per_prompt, require=require
-    )
+    status = classify_completions(rows, **rules)
     return [r for r, s in zip(rows, status, strict=True) if s == KEPT]
 
 

@@ -22,6 +22,38 @@ from typing import Any
 from grpo_core.rewards.base import RewardUnavailable, get
 
 
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One batch to score, as every scorer takes it (this process, or Ray tasks over shards
+    of whole groups: cluster/scoring.py): the rows, their other columns, the weights, the
+    rows' group ids, and ``build``, a picklable callable returning the ``{name: function}``
+    that :func:`score_completions` takes besides the registry's."""
+
+    prompts: Sequence[Any]
+    completions: Sequence[Any]
+    columns: Mapping[str, Sequence[Any]]
+    weights: Mapping[str, float]
+    group_ids: Sequence[Any]
+    build: Callable[[], Mapping[str, Callable[..., Any]]]
+
+    def rows(self, start: int, end: int) -> ScoreRequest:
+        """Rows ``[start, end)`` as plain lists (what a Ray task is sent)."""
+        return ScoreRequest(
+            list(self.prompts[start:end]),
+            list(self.completions[start:end]),
+            {k: list(v[start:end]) for k, v in self.columns.items()},
+            dict(self.weights),
+            list(self.group_ids[start:end]),
+            self.build,
+        )
+
+    def score_here(self) -> ScoreResult:
+        """:func:`score_completions` in this process, with the functions ``build`` makes."""
+        return score_completions(
+            self.prompts, self.completions, self.columns, self.weights, functions=self.build()
+        )
+
+
 @dataclass
 class ScoreResult:
     """Per-function scores and errors for one batch, plus the weighted total.

@@ -112,25 +112,6 @@ class RLOptimization:
     total_steps: int
 
     @classmethod
-    def of_stage(
-        cls,
-        rl: RLConfig,
-        *,
-        stage: str,
-        init_checkpoint: str,
-        global_step: int,
-        total_steps: int | None = None,
-        sharded: bool = False,
-    ) -> RLOptimization:
-        """The optimizer of ``stage``, which started from ``init_checkpoint``; its schedule
-        runs over ``total_steps`` (default: this update's steps after ``global_step``)."""
-        from grpo_core.training.checkpoint import policy_id
-
-        return cls.of(rl, stage=stage, init_policy_id=policy_id(init_checkpoint),
-                      global_step=global_step, total_steps=total_steps,
-                      sharded=sharded)  # fmt: skip
-
-    @classmethod
     def of(
         cls,
         rl: RLConfig,
@@ -141,7 +122,9 @@ class RLOptimization:
         total_steps: int | None = None,
         sharded: bool = False,
     ) -> RLOptimization:
-        """:meth:`of_stage` by the initial weights' id."""
+        """The optimizer of ``stage``, which started from the weights ``init_policy_id``
+        (``checkpoint.policy_id`` of its first checkpoint); its schedule runs over
+        ``total_steps`` (default: this update's steps after ``global_step``)."""
         per_update = rl.optimizer_steps_per_generation * rl.num_iterations
         total = total_steps or (global_step + per_update)
         key = {

@@ -34,7 +34,7 @@ class PolicyRef:
 
     @property
     def parent(self) -> str:
-        return self.update["policy_checkpoint"]
+        return self.update["policy_path"]
 
     def kept(self) -> Path | None:
         """The kept checkpoint folder when it exists (it may have been pruned)."""

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from cluster.config import ClusterConfig, TrainerSettings
 from flows.config import load_config
+from tasks.update import UpdateRequest
 
 pytest.importorskip("ray")
 
@@ -54,9 +55,8 @@ def _chain(tmp_path, tag, tiny_checkpoint, scored, rl, run) -> list:
     """Two iterations of a stage: the second from the first's checkpoint and trainer state."""
     out, policy = [], str(tiny_checkpoint)
     for it in range(2):
-        res = run(
-            iteration=it,
-            policy_checkpoint=policy,
+        request = UpdateRequest(
+            policy_path=policy,
             scored_path=scored,
             out_checkpoint=str(tmp_path / tag / f"iter_{it}"),
             rl=rl,
@@ -66,6 +66,7 @@ def _chain(tmp_path, tag, tiny_checkpoint, scored, rl, run) -> list:
             total_steps=2 * STEPS,
             stage="rl_1",
         )
+        res = run(request, iteration=it)
         out.append(res)
         policy = res.checkpoint
     return out
@@ -103,12 +104,12 @@ def _compare_with_one_process(cfg, tiny_checkpoint, tmp_path, loss_type, strateg
         tiny_checkpoint,
         scored,
         rl,
-        lambda iteration, **kw: update_from_file(**kw),
+        lambda request, iteration: update_from_file(request),
     )
     pids = []
 
-    def on_ray(**kw):
-        res = run_update(**kw)
+    def on_ray(request, iteration):
+        res = run_update(request, iteration=iteration)
         pids.append(trainer_group.trainer_group(cfg).pids)
         if strategy == "fsdp":
             trainer_group.release()  # the next iteration: new actors, state from disk
@@ -141,7 +142,7 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
 ):
     from cluster import trainer_group
     from cluster.trainer_group import TrainerGroupError
-    from tasks.update import run_update
+    from tasks.update import UpdateRequest, run_update
 
     scored = scored_file(tmp_path)
     rl = load_config(None, OVERRIDES).rl
@@ -156,8 +157,8 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
             os.kill(os.getpid(), signal.SIGKILL)
 
     out = tmp_path / "rl_1" / "iter_0004" / "checkpoint"
-    kw = dict(
-        policy_checkpoint=str(tiny_checkpoint),
+    request = UpdateRequest(
+        policy_path=str(tiny_checkpoint),
         scored_path=scored,
         out_checkpoint=str(out),
         rl=rl,
@@ -165,10 +166,10 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
         stage="rl_1",
     )
     with pytest.raises(TrainerGroupError, match=r"rl_1 iteration 4 update: trainer worker rank 1"):
-        run_update(iteration=4, on_step=die_on_rank_1, **kw)
+        run_update(request, iteration=4, on_step=die_on_rank_1)
     assert not out.exists()
     assert not out.parent.exists() or os.listdir(out.parent) == []  # nor a temporary one
-    res = run_update(iteration=4, **kw)  # a fresh group takes over
+    res = run_update(request, iteration=4)  # a fresh group takes over
     assert res.global_step == STEPS and (out / "model.safetensors").exists()
     assert set(trainer_group.trainer_group(ray_trainers).pids).isdisjoint(first)
 
@@ -183,18 +184,20 @@ def test_trainer_ranks_pull_their_inputs_from_the_shared_store(
     import shutil
 
     from cluster import storage, trainer_group
-    from tasks.update import run_update, update_from_file
+    from tasks.update import UpdateRequest, run_update, update_from_file
 
     rl = load_config(None, OVERRIDES).rl
     (tmp_path / "src").mkdir()
     scored = scored_file(tmp_path / "src")
     expected = update_from_file(
-        str(tiny_checkpoint),
-        scored,
-        str(tmp_path / "one"),
-        rl,
-        reference_checkpoint=str(tiny_checkpoint),
-        stage="rl_1",
+        UpdateRequest(
+            str(tiny_checkpoint),
+            scored,
+            str(tmp_path / "one"),
+            rl,
+            reference_checkpoint=str(tiny_checkpoint),
+            stage="rl_1",
+        )
     )
     run = tmp_path / "node" / "runs" / "demo"
     policy, rollouts = run / "checkpoints" / "base", run / "rl_1" / "iter_0000" / "scored.parquet"
@@ -207,15 +210,15 @@ def test_trainer_ranks_pull_their_inputs_from_the_shared_store(
         storage.publish(policy, rollouts)
         shutil.rmtree(run)
         out = run / "rl_1" / "iter_0000" / "checkpoint"
-        res = run_update(
-            iteration=0,
-            policy_checkpoint=str(policy),
+        request = UpdateRequest(
+            policy_path=str(policy),
             scored_path=str(rollouts),
             out_checkpoint=str(out),
             rl=rl,
             reference_checkpoint=str(policy),
             stage="rl_1",
         )
+        res = run_update(request, iteration=0)
         store = storage.active()
         assert store.fs.isfile(store.remote(out / "model.safetensors"))  # published by rank 0
         assert policy.is_dir() and rollouts.is_file()  # pulled by the ranks
@@ -248,8 +251,9 @@ def test_scoring_beside_a_trainer_group_that_holds_every_cpu_is_refused(ray_trai
     runtime.configure(ray_trainers)  # scored_file scores in this process; this goes to Ray
     with pytest.raises(UserError, match=r"cluster.scoring: .* other roles hold 2"):
         from cluster.scoring import score_sharded
+        from grpo_core.rewards.scoring import ScoreRequest
 
-        score_sharded(ray_trainers, ["p"], ["c"], {}, {"f": 1.0}, group_ids=[0], build=dict)
+        score_sharded(ray_trainers, ScoreRequest(["p"], ["c"], {}, {"f": 1.0}, [0], dict))
 
 
 def test_a_local_ray_counts_every_role():

@@ -94,14 +94,16 @@ def _update_then_sample(cfg, tiny_checkpoint, tmp_path, between=None):
     """One 2-rank update of the tiny policy, then rollouts of the base policy (the replicas
     start on it) and of the updated one (the sync under test). Returns the update."""
     from tasks.rollout import sample_rollouts
-    from tasks.update import run_update
+    from tasks.update import UpdateRequest, run_update
 
     runtime.configure(cfg)
     scored = scored_file(tmp_path)
     knobs = ["prompts_per_iteration=3", "steps_per_generation=3", "learning_rate=1e-3"]
     rl = load_config(None, [f"rl.{k}" for k in knobs]).rl
-    res = run_update(iteration=0, policy_checkpoint=str(tiny_checkpoint), scored_path=scored,
-                     out_checkpoint=str(tmp_path / "iter_0"), rl=rl, stage="rl_1")  # fmt: skip
+    request = UpdateRequest(
+        str(tiny_checkpoint), scored, str(tmp_path / "iter_0"), rl, stage="rl_1"
+    )
+    res = run_update(request, iteration=0)
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)]
     for k, ckpt in enumerate((tiny_checkpoint, res.checkpoint)):
         if k == 1 and between is not None:

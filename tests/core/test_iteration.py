@@ -18,7 +18,7 @@ from grpo_core.training.train_state import TrainState
 from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 from tasks.policies import memo as policy_memo
 from tasks.score import score_file
-from tasks.update import update_from_file
+from tasks.update import UpdateRequest, update_from_file
 
 RL = RLConfig(num_generations=4, max_completion_length=24, steps_per_generation=2,
               learning_rate=1e-2, temperature=1.0)  # fmt: skip
@@ -58,7 +58,9 @@ def test_an_iteration_runs_as_plain_calls_and_as_the_stage_tasks(tiny_checkpoint
     assert out.metrics["reward"] == pytest.approx(scored.metrics["reward"])
     try:
         policy_memo.clear()
-        res = update_from_file(str(tiny_checkpoint), str(scored_path), str(tmp_path / "ck"), RL)
+        res = update_from_file(
+            UpdateRequest(str(tiny_checkpoint), str(scored_path), str(tmp_path / "ck"), RL)
+        )
         assert res.policy_id == after  # bit for bit the notebook's weights
         assert [h["loss"] for h in res.history] == [h["loss"] for h in update.history]
     finally:

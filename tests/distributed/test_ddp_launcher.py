@@ -51,14 +51,14 @@ def _weights(checkpoint) -> dict:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torchrun_two_ranks_write_the_one_process_checkpoint(tiny_checkpoint, tmp_path, strategy):
     from grpo_core.training.checkpoint import load_trainer_state
-    from tasks.update import update_from_file
+    from tasks.update import UpdateRequest, update_from_file
 
     scored = scored_file(tmp_path)
     rl = load_config(None, OVERRIDES).rl
-    one = update_from_file(
+    one = update_from_file(UpdateRequest(
         str(tiny_checkpoint), scored, str(tmp_path / "one"), rl,
         reference_checkpoint=str(tiny_checkpoint),
-    )  # fmt: skip
+    ))  # fmt: skip
     summary = _torchrun(tiny_checkpoint, scored, tmp_path / "two", OVERRIDES, strategy)
     assert summary["world_size"] == 2 and summary["steps"] == len(one.history) == 6
     assert summary["loss"] == pytest.approx(one.history[-1]["loss"], rel=1e-4, abs=1e-6)
@@ -89,7 +89,7 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
     write the one-process LoRA update's weights."""
     from cluster import process
     from tasks.policies import memo as policy_memo
-    from tasks.update import update_from_file
+    from tasks.update import UpdateRequest, update_from_file
 
     model_sets = ["model.gradient_checkpointing=true", "model.lora={r: 4, alpha: 8}"]
     scored = scored_file(tmp_path)
@@ -98,10 +98,10 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
     process.load_policies_with(cfg.model)
     try:
         policy_memo.clear()
-        one = update_from_file(
+        one = update_from_file(UpdateRequest(
             str(tiny_checkpoint), scored, str(tmp_path / "one"), cfg.rl,
             reference_checkpoint=str(tiny_checkpoint),
-        )  # fmt: skip
+        ))  # fmt: skip
         assert one.global_step == 6
     finally:
         process.load_policies_with(before)

@@ -112,7 +112,7 @@ def _update(checkpoint, scored, out, **knobs):
     from grpo_core.config.stages import RLConfig
     from grpo_core.training.checkpoint import load_checkpoint
     from tasks.policies import memo as policy_memo
-    from tasks.update import update_from_file
+    from tasks.update import UpdateRequest, update_from_file
 
     rl = RLConfig(
         prompts_per_iteration=4,
@@ -123,7 +123,7 @@ def _update(checkpoint, scored, out, **knobs):
         **knobs,
     )
     policy_memo.clear()  # each path starts from the checkpoint on disk
-    up = update_from_file(str(checkpoint), scored, str(out), rl, total_steps=2)
+    up = update_from_file(UpdateRequest(str(checkpoint), scored, str(out), rl, total_steps=2))
     assert len(up.history) == 2
     return load_checkpoint(out)[0].state_dict()
 

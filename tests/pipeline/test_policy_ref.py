@@ -19,7 +19,7 @@ from tasks.policies import memo as policy_memo
 from tasks.policies.ref import read_ref
 from tasks.rollout import rollout
 from tasks.score import score
-from tasks.update import policy, update
+from tasks.update import UpdateRequest, policy, update
 from tasks.workspace import Workspace
 
 RL = RLConfig(
@@ -32,9 +32,10 @@ def _iterations(tiny_checkpoint, ws: Workspace, data: str, keep: list[bool]) -> 
     for it, kept in enumerate(keep):
         roll = rollout.fn("rl_1", it, policy, data, str(ws.rollouts("rl_1", it)), RL, 0)
         sc = score.fn("rl_1", it, roll.path, str(ws.scored("rl_1", it)), {"format": 1.0}, RL)
-        up = update.fn("rl_1", it, policy, sc.path, str(ws.iteration_checkpoint("rl_1", it)), RL,
-                       init_checkpoint=str(tiny_checkpoint), global_step=step,
-                       ref_path=str(ws.policy_ref("rl_1", it)), keep=kept)  # fmt: skip
+        request = UpdateRequest(policy, sc.path, str(ws.iteration_checkpoint("rl_1", it)), RL,
+                                init_checkpoint=str(tiny_checkpoint), stage="rl_1",
+                                global_step=step)  # fmt: skip
+        up = update.fn(request, it, ref_path=str(ws.policy_ref("rl_1", it)), keep=kept)
         policy, step = up.checkpoint, up.global_step
         refs.append(policy)
     policy_memo.WRITER.drain()

@@ -12,7 +12,7 @@ import pytest
 
 from grpo_core.config.stages import RLConfig
 from tasks.score import score_file
-from tasks.update import update_from_file
+from tasks.update import UpdateRequest, update_from_file
 
 HERE = __file__
 
@@ -80,7 +80,9 @@ def test_dynamic_sampling_keeps_gdpo_groups_whose_sums_tie(tiny_checkpoint, tmp_
     adv = pq.read_table(scored).column("advantage").to_pylist()
     assert adv[0] != 0 and adv[2:4] == [0.0, 0.0] and adv[4] != 0
     assert out.metrics["frac_reward_zero_std"] == pytest.approx(1 / 3)
-    up = update_from_file(str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    up = update_from_file(
+        UpdateRequest(str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    )
     assert up.history[0]["dynamic_sampling/kept_frac"] == pytest.approx(4 / 6)
 
 
@@ -93,7 +95,9 @@ def test_all_correct_group_of_non_dyadic_rewards_is_dropped(tiny_checkpoint, tmp
     scored = tmp_path / "scored.parquet"
     out = score_file(_rollouts(tmp_path / "r.parquet", groups), str(scored), _weights(1.0, 0.1))
     assert out.metrics["frac_reward_zero_std"] == pytest.approx(0.5)
-    up = update_from_file(str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    up = update_from_file(
+        UpdateRequest(str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    )
     assert up.history[0]["dynamic_sampling/kept_frac"] == pytest.approx(0.5)
 
 

@@ -295,7 +295,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
     from grpo_core.config.stages import RLConfig
     from grpo_core.training.checkpoint import file_sha256, load_trainer_state
     from tasks.policies import memo as policy_memo
-    from tasks.update import update_from_file
+    from tasks.update import UpdateRequest, update_from_file
 
     rl = RLConfig(
         prompts_per_iteration=2,
@@ -310,14 +310,16 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
 
     def run(it, policy, out, step, stage="rl_1", first=init):
         up = update_from_file(
-            policy,
-            scored[it],
-            out,
-            rl,
-            stage=stage,
-            init_checkpoint=first,
-            global_step=step,
-            total_steps=6,
+            UpdateRequest(
+                policy,
+                scored[it],
+                out,
+                rl,
+                stage=stage,
+                init_checkpoint=first,
+                global_step=step,
+                total_steps=6,
+            )
         )
         assert up.peak_memory_gib > 0  # logged with every step of the update
         assert all(h["peak_memory_gib"] == up.peak_memory_gib for h in up.history)

@@ -24,12 +24,12 @@ from grpo_core.training.sft import train_sft
 from tasks.evaluate import evaluate_stage
 from tasks.policies import memo as policy_memo
 from tasks.rejection import rejection_sampling
-from tasks.results import EvalOutcome, RejectionResult, SFTOutcome
+from tasks.results import EvalOutcome, RejectionOutcome, SFTOutcome
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.sft import sft_stage
 from tasks.tracking.stages import Tracking
-from tasks.update import update
+from tasks.update import UpdateRequest, update
 
 
 @pytest.fixture
@@ -84,7 +84,9 @@ def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path)
         {"accuracy": 1.0, "format": 0.1},
         rl,
     )
-    up = update.fn("rl_1", 0, str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl)
+    up = update.fn(
+        UpdateRequest(str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl, stage="rl_1"), 0
+    )
     assert pq.read_table(roll.path).num_rows == 16
     assert len(up.history) == 2 and up.global_step == 2
     assert policy_memo.STATS["loads"] == loads + 1  # loaded once, then warm from rollout to update
@@ -105,7 +107,7 @@ def test_update_from_a_scored_file_of_another_run_loads_from_disk(tiny_checkpoin
     sc = score.fn("rl_1", 0, roll.path, str(tmp_path / "s.parquet"), {"format": 1.0}, rl)
     policy_memo.clear()
     loads = policy_memo.STATS["loads"]
-    up = update.fn("offline", 0, str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl)
+    up = update.fn(UpdateRequest(str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl), 0)
     assert policy_memo.STATS["loads"] == loads + 1
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
     assert up.history[0]["learning_rate"] == pytest.approx(rl.learning_rate)
@@ -181,7 +183,7 @@ def test_rejection_sampling_keeps_only_passing_completions(
     out = rejection_sampling.fn(
         str(tiny_checkpoint), data["rl"], str(tmp_path / "rs"), cfg, {"format": 1.0}, tracking, 0
     )
-    assert isinstance(out, RejectionResult) and not out.cached
+    assert isinstance(out, RejectionOutcome) and not out.cached
     rows = [json.loads(line) for line in Path(out.path).read_text().splitlines()]
     assert out.metrics["kept"] == len(rows) and out.metrics["sampled"] == 8 * 4
     assert all(isinstance(v, float) for v in out.metrics.values())
@@ -275,15 +277,9 @@ def test_every_rl_option_runs_through_score_and_update(tiny_checkpoint, data, tm
         assert (scored["reward_overlong_penalty"] <= 0).all()
     else:
         assert scored.loc[first, "reward"].tolist() == pytest.approx([1.1] * 8)
-    up = update.fn(
-        "rl_1",
-        0,
-        str(tiny_checkpoint),
-        sc.path,
-        str(tmp_path / "ckpt"),
-        rl,
-        reference_checkpoint=str(tiny_checkpoint),
-    )
+    request = UpdateRequest(str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl,
+                            reference_checkpoint=str(tiny_checkpoint), stage="rl_1")  # fmt: skip
+    up = update.fn(request, 0)
     assert len(up.history) == 2 * options.get("num_iterations", 1)
     before = load_file(Path(tiny_checkpoint) / "model.safetensors")
     after = load_file(Path(up.checkpoint) / "model.safetensors")

@@ -154,13 +154,16 @@ def test_the_update_task_reports_a_last_step_whose_rows_were_all_skipped(tiny_ch
 
     from grpo_core.config.stages import RLConfig
     from tasks.score import score_file
-    from tasks.update import update
+    from tasks.update import UpdateRequest, update
 
     groups = [[(1.0, 0.0, 4), (0.0, 0.0, 5)], [(1.0, 0.0, 4), (1.0, 0.0, 6)]]
     scored = tmp_path / "scored.parquet"
     score_file(_rollouts(tmp_path / "r.parquet", groups), str(scored), _weights(1.0, 0.0))
     rl = RLConfig(prompts_per_iteration=2, num_generations=2, steps_per_generation=2)
-    up = update.fn("rl_1", 0, str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl)
+    up = update.fn(
+        UpdateRequest(str(tiny_checkpoint), str(scored), str(tmp_path / "ckpt"), rl, stage="rl_1"),
+        0,
+    )
     assert len(up.history) == 2
     assert "entropy" in up.history[0] and up.history[1]["entropy"] > 0
     assert up.history[1]["loss"] == 0.0 and up.history[1]["clip_ratio/region_mean"] == 0.0
