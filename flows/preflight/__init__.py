@@ -44,6 +44,7 @@ from flows.preflight.context import check_batch_fits, check_context
 from flows.preflight.data import check_data, check_parquet, check_scored_rows, check_token_ids
 from flows.preflight.outputs import (
     check_outputs,
+    check_prefect_api,
     check_sqlite,
     check_tracking,
     check_writable_dir,
@@ -76,6 +77,7 @@ __all__ = [
     "check_sqlite",
     "check_stage",
     "check_token_ids",
+    "check_prefect_api",
     "check_tracking",
     "check_writable_dir",
     "eval_rewards",
@@ -121,6 +123,7 @@ def check_run(cfg) -> None:
     check_context(cfg, prompts)
     check_batch_fits(cfg)
     check_tracking(cfg.tracking.uri)
+    check_prefect_api()
 
 
 def check_stage(command: str, args, cfg) -> None:
@@ -170,3 +173,4 @@ def check_stage(command: str, args, cfg) -> None:
             check_writable_dir(Path(args.checkpoint).resolve().parent, "--checkpoint's folder")
     if out:
         check_writable_dir(Path(out).resolve().parent, f"--out {out}:")
+    check_prefect_api()

@@ -4,6 +4,7 @@ folders (writable, with free space)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import stat
@@ -26,6 +27,7 @@ def check_tracking(uri: str) -> None:
     parsed = urlparse(uri)
     if parsed.scheme in ("http", "https"):
         probe_server(uri)
+        probe_credentials(uri)
     elif parsed.scheme == "sqlite":
         check_sqlite(uri)
     elif parsed.scheme in ("", "file"):  # a local file store (mlruns folder)
@@ -55,6 +57,72 @@ def probe_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
     if "timed out" in reason or reason == "TimeoutError":
         reason = f"no answer within {timeout:g} s"
     raise UserError(f"tracking.uri {uri}: no MLflow server answers ({reason}); {fix}")
+
+
+def _get(url: str, authorization: str | None, timeout: float) -> int:
+    """The HTTP status of ``GET url`` (with the ``Authorization`` header when given)."""
+    req = urllib.request.Request(url)
+    if authorization:
+        req.add_header("Authorization", authorization)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _basic(credentials: str) -> str:
+    return "Basic " + base64.b64encode(credentials.encode()).decode()
+
+
+def probe_credentials(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """An MLflow server with its basic-auth app on (infra/start-servers.sh beyond loopback,
+    or ``GRPO_AUTH``) answers its API only to a known user: a missing or wrong password stops
+    the run here, in one line, not at the first logged metric."""
+    user, password = (
+        os.environ.get("MLFLOW_TRACKING_USERNAME"),
+        os.environ.get("MLFLOW_TRACKING_PASSWORD"),
+    )
+    auth = _basic(f"{user}:{password}") if user and password else None
+    url = uri.rstrip("/") + "/api/2.0/mlflow/experiments/search?max_results=1"
+    try:
+        status = _get(url, auth, timeout)
+    except (urllib.error.URLError, OSError):
+        return  # it answered /health a moment ago; MLflow's own retries take it from here
+    if status == 401:
+        given = "a wrong user or password" if auth else "no user and password"
+        raise UserError(
+            f"tracking.uri {uri}: the MLflow server asks for a user and password and got "
+            f"{given}; set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (source the "
+            "env.sh that infra/start-servers.sh wrote)"
+        )
+    if status == 403:
+        raise UserError(
+            f"tracking.uri {uri}: the MLflow server refuses this client (HTTP 403: the user "
+            "lacks permission, or the host name is not among the server's --allowed-hosts)"
+        )
+
+
+def check_prefect_api(timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """A Prefect server the user configured (``PREFECT_API_URL``) that asks for a password
+    (``PREFECT_SERVER_API_AUTH_STRING``) must get the right one (``PREFECT_API_AUTH_STRING``):
+    else one line now, not a client traceback when the flow starts. Prefect Cloud (an API
+    key) and unreachable servers are left to Prefect."""
+    api = os.environ.get("PREFECT_API_URL")
+    if not api or os.environ.get("PREFECT_API_KEY"):
+        return
+    creds = os.environ.get("PREFECT_API_AUTH_STRING")
+    try:
+        status = _get(api.rstrip("/") + "/admin/version", _basic(creds) if creds else None, timeout)
+    except (urllib.error.URLError, OSError):
+        return
+    if status == 401:
+        given = "a wrong one" if creds else "none (PREFECT_API_AUTH_STRING is unset)"
+        raise UserError(
+            f"PREFECT_API_URL {api}: the Prefect server asks for its USER:PASSWORD and got "
+            f"{given}; set PREFECT_API_AUTH_STRING (source the env.sh that "
+            "infra/start-servers.sh wrote)"
+        )
 
 
 def check_sqlite(uri: str) -> None:

@@ -1,7 +1,6 @@
-"""The servers bind loopback unless told otherwise (issue 44): neither Prefect nor MLflow
-authenticates, so infra/start-servers.sh refuses another bind address without
-GRPO_EXPOSE_UNAUTHENTICATED=1, writing nothing, and the Ray head script no longer defaults to
-0.0.0.0."""
+"""The servers bind loopback unless told otherwise (issue 44): a bad GRPO_AUTH is refused
+before anything starts (tests/infra/test_server_auth.py runs the servers with passwords), and
+the Ray head script no longer defaults to 0.0.0.0."""
 
 from __future__ import annotations
 
@@ -14,15 +13,14 @@ import pytest
 INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
-def test_a_non_loopback_bind_is_refused_without_the_opt_in(tmp_path, host):
+@pytest.mark.parametrize("auth", ["alice", "alice:short", ":a-long-enough-password"])
+def test_a_bad_grpo_auth_is_refused_before_anything_starts(tmp_path, auth):
     state = tmp_path / "state"
-    env = {**os.environ, "GRPO_HOST": host, "GRPO_STATE_DIR": str(state)}
-    env.pop("GRPO_EXPOSE_UNAUTHENTICATED", None)
+    env = {**os.environ, "GRPO_AUTH": auth, "GRPO_STATE_DIR": str(state)}
     proc = subprocess.run(["bash", str(INFRA / "start-servers.sh"), "prefect"], env=env,
                           capture_output=True, text=True, timeout=30)  # fmt: skip
     assert proc.returncode == 2, proc.stderr
-    assert "authenticate no one" in proc.stderr and "GRPO_EXPOSE_UNAUTHENTICATED=1" in proc.stderr
+    assert "USER:PASSWORD" in proc.stderr and "12 characters" in proc.stderr
     assert not state.exists()  # nothing written, nothing started
 
 
