@@ -24,6 +24,7 @@ import contextlib
 import copy
 import logging
 import os
+import signal
 import threading
 import time
 import traceback
@@ -200,6 +201,10 @@ def serve(conn, threads: int, model_section: dict, parent: int | None = None) ->
     from grpo_core.config.model import ModelConfig
     from grpo_core.engines import WarmEngines
 
+    # a terminal's Ctrl-C reaches the whole process group: the parent stops the run and says
+    # so in one line; this process ends with it (EOF, or the parent watch), without a
+    # KeyboardInterrupt traceback of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent or os.getppid())
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = str(threads)

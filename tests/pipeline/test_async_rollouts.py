@@ -105,9 +105,12 @@ def test_async_run_follows_the_schedule(prefect_harness, tmp_path, tracking_uri)
         assert nxt.start_time < upd.end_time, (i, nxt.start_time, upd.end_time)
 
 
-def _grpo_run(cwd: Path, kill_on: str | None = None) -> tuple[int, str]:
-    """`grpo run` of ASYNC into ``cwd`` as a process; SIGKILL when a line matches
-    ``kill_on``. Returns its exit code and output."""
+def _grpo_run(
+    cwd: Path, kill_on: str | None = None, sig: int = signal.SIGKILL, group: bool = True
+) -> tuple[int, str]:
+    """`grpo run` of ASYNC into ``cwd`` as a process; ``sig`` when a line matches ``kill_on``,
+    to its process group (the engine process too, as a terminal's Ctrl-C or a SIGKILL of the
+    group) or to grpo alone (``kill PID``). Returns its exit code and output."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_HOME"))}
     env.update(PREFECT_HOME=str(cwd / "prefect-home"), PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "flows.cli", "run"]
@@ -120,28 +123,53 @@ def _grpo_run(cwd: Path, kill_on: str | None = None) -> tuple[int, str]:
     for line in proc.stdout:
         lines.append(line)
         if kill_on and re.search(kill_on, line):
-            os.killpg(proc.pid, signal.SIGKILL)  # the engine process goes with it
-            break
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                os.kill(proc.pid, sig)
+            kill_on = None  # once; read the rest of what it prints while it stops
+            if sig == signal.SIGKILL:
+                break
     proc.wait(timeout=600)
     return proc.returncode, "".join(lines)
 
 
-@pytest.mark.slow
-def test_a_killed_async_run_resumes_to_the_uninterrupted_weights(tmp_path):
-    from tasks.policies import ref as policy_ref
-
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    for d in (whole, resumed):
-        d.mkdir()
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    whole = tmp_path_factory.mktemp("whole")
     rc, out = _grpo_run(whole)
     assert rc == 0, out[-3000:]
-    # killed while iteration 3's rollout is in flight beside update 2
-    rc, out = _grpo_run(resumed, kill_on=r"rl_1 iteration 2: \d+ steps")
-    assert rc == -signal.SIGKILL, out[-3000:]
+    return whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig,group,code",
+    [
+        (signal.SIGKILL, True, -signal.SIGKILL),
+        (signal.SIGTERM, False, 143),
+        (signal.SIGINT, True, 130),
+    ],
+    ids=["SIGKILL", "SIGTERM", "Ctrl-C"],
+)
+def test_a_killed_async_run_resumes_to_the_uninterrupted_weights(
+    uninterrupted, tmp_path, sig, group, code
+):
+    """Stopped while iteration 3's rollout is in flight beside update 2, in the engine
+    process: a rollout that ends after the stop is not recorded (it would be cached as if
+    whole), a stop prints one line and no traceback, and the rerun ends bit-identical."""
+    from tasks.policies import ref as policy_ref
+
+    resumed = tmp_path
+    rc, out = _grpo_run(resumed, kill_on=r"rl_1 iteration 2: \d+ steps", sig=sig, group=group)
+    assert rc == code, out[-3000:]
+    if sig != signal.SIGKILL:
+        assert "Traceback" not in out, out[-3000:]
+        assert re.search(r"grpo: interrupted \(SIG(TERM|INT)\)", out), out[-3000:]
     rc, out = _grpo_run(resumed)
     assert rc == 0, out[-3000:]
     assert re.search(r"rl_1 iteration 0 rollout: inputs unchanged", out), out[-3000:]
     for stage in ("rl_1", "rl_2"):
-        a = policy_ref.policy_id(whole / "runs" / "r" / "checkpoints" / stage)
+        a = policy_ref.policy_id(uninterrupted / "runs" / "r" / "checkpoints" / stage)
         b = policy_ref.policy_id(resumed / "runs" / "r" / "checkpoints" / stage)
         assert a == b, stage
