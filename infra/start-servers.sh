@@ -89,22 +89,22 @@ if [ "$HOST" = 0.0.0.0 ] || [ "$HOST" = :: ]; then  # every interface: this mach
     done)"
 fi
 if [ -n "${GRPO_ALLOWED_HOSTS:-}" ]; then NAMES="$NAMES,$GRPO_ALLOWED_HOSTS"; fi
-origins() {  # origins PORT -> http://NAME:PORT for each name (a name with a port kept)
+expand() {  # expand PORT PREFIX BARE -> PREFIX+NAME:PORT for each name (a name given with
+    # its own port kept as it is), and with BARE=1 the bare NAME too
     local out="" n
     IFS=',' read -ra names <<<"$NAMES"
     for n in "${names[@]}"; do
-        case "$n" in *:[0-9]*) out="$out,http://$n" ;; *) out="$out,http://$n:$1" ;; esac
+        if [[ "$n" =~ :[0-9]+$ ]]; then
+            out="$out,$2$n"
+        else
+            out="$out,$2$n:$1"
+            if [ "$3" = 1 ]; then out="$out,$n"; fi
+        fi
     done
     echo "${out#,}"
 }
-hosts() {  # hosts PORT -> NAME and NAME:PORT for each name (MLflow's --allowed-hosts)
-    local out="" n
-    IFS=',' read -ra names <<<"$NAMES"
-    for n in "${names[@]}"; do
-        case "$n" in *:[0-9]*) out="$out,$n" ;; *) out="$out,$n,$n:$1" ;; esac
-    done
-    echo "${out#,}"
-}
+origins() { expand "$1" http:// 0; }  # origins PORT: the UI pages' origins (CORS)
+hosts() { expand "$1" "" 1; }         # hosts PORT: the Host headers (MLflow's --allowed-hosts)
 
 # A copy of the server-side telemetry defaults; the source of truth for Python is flows/env.py.
 export PREFECT_SERVER_ANALYTICS_ENABLED=false MLFLOW_DISABLE_TELEMETRY=true

@@ -110,3 +110,36 @@ def test_replicas_take_adapters_as_lora_requests(local_ray, tmp_path):
     ckpt, peft_model, _ = ckpts[1]
     assert sample(ckpt, policy_id(ckpt)) == _greedy(peft_model, tok, ids)
     assert adapter() == str(ckpt / "adapter")
+
+
+def test_a_moved_lora_run_starts_a_replica_on_its_own_base(local_ray, tmp_path):
+    """A LoRA run folder moved after training (issue 44): the adapter checkpoint records its
+    base relative to the run folder, so a fresh replica started on it in the new place loads
+    that base (not the old path, gone) plus the adapter, and samples as the peft model."""
+    import shutil
+
+    from cluster import rollout_workers
+    from cluster.config import ClusterConfig
+    from grpo_core.contracts.run_folder import RUN_MARKER
+    from grpo_core.training.checkpoint import load_checkpoint, policy_id
+
+    run = tmp_path / "runs" / "demo"
+    run.mkdir(parents=True)
+    (run / RUN_MARKER).write_text("")
+    base = _base(run / "cold_start_sft", seed=0)
+    ckpt, peft_model, tok = _adapter_checkpoint(base, run / "rl_1" / "checkpoint", seed=3)
+    moved = tmp_path / "elsewhere" / "demo"
+    moved.parent.mkdir()
+    shutil.move(str(run), str(moved))
+    assert not base.exists()
+    ckpt = moved / "rl_1" / "checkpoint"
+    ids = prompts(tok, [(3, 4), (50, 60)])
+    rollout_workers.close_all()
+    cfg = ClusterConfig(backend="ray", rollout={"workers": 1, "num_cpus": 1})
+    request = SampleRequest(GREEDY, engine="vllm", engine_options=OPTS)
+    got = rollout_workers.sample(cfg, ids, request, checkpoint=str(ckpt), policy_id=policy_id(ckpt),
+                                 model=None, tokenizer=tok,
+                                 config=load_checkpoint(moved / "cold_start_sft")[0].config)  # fmt: skip
+    assert [s.completion_ids for s in got] == _greedy(peft_model, tok, ids)
+    (group,) = rollout_workers.groups()
+    assert ray.get(group.actors[0].adapter.remote()) == str(ckpt / "adapter")
