@@ -69,6 +69,14 @@ if [ "$LOOPBACK" = 0 ] && [ "${GRPO_EXPOSE_UNAUTHENTICATED:-}" != 1 ] && [ -z "$
 fi
 AUTH_USER="${AUTH%%:*}"
 AUTH_PASSWORD="${AUTH#*:}"
+# Set only with a password: Prefect takes an empty PREFECT_SERVER_API_AUTH_STRING as one
+SERVER_AUTH=()
+CLIENT_AUTH=()
+if [ -n "$AUTH" ]; then
+    SERVER_AUTH=(PREFECT_SERVER_API_AUTH_STRING="$AUTH")
+    CLIENT_AUTH=(PREFECT_API_AUTH_STRING="$AUTH" MLFLOW_TRACKING_USERNAME="$AUTH_USER"
+        MLFLOW_TRACKING_PASSWORD="$AUTH_PASSWORD")
+fi
 BACKEND="${MLFLOW_BACKEND_STORE_URI:-sqlite:///$STATE/mlflow.db}"
 ARTIFACTS="${MLFLOW_ARTIFACTS_DESTINATION:-$STATE/mlartifacts}"
 URL_HOST="$HOST"
@@ -174,9 +182,9 @@ for svc in "$@"; do
             # settings, not from --port (left alone it is :4200, "Can't connect to Server API")
             if PREFECT_HOME="$STATE/prefect" PREFECT_SERVER_API_HOST="$HOST" \
                 PREFECT_SERVER_API_PORT="$PREFECT_PORT" PREFECT_UI_API_URL="$API_URL" \
-                PREFECT_API_URL="$API_URL" PREFECT_SERVER_API_AUTH_STRING="$AUTH" \
+                PREFECT_API_URL="$API_URL" \
                 PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS="$(origins "$PREFECT_PORT")" launch prefect \
-                "$PY" -m prefect server start --host "$HOST" --port "$PREFECT_PORT"; then
+                env "${SERVER_AUTH[@]}" "$PY" -m prefect server start --host "$HOST" --port "$PREFECT_PORT"; then
                 wait_http prefect "$API_URL/health"
                 echo "prefect: $API_URL (UI http://$HOST:$PREFECT_PORT, pid $(cat "$STATE/prefect.pid"))"
             fi
@@ -199,9 +207,12 @@ EOF
                 )
                 security+=(--app-name basic-auth)
             fi
-            if (cd "$STATE" && MLFLOW_AUTH_CONFIG_PATH="$STATE/mlflow-auth.ini" \
-                MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$("$PY" -c 'import secrets; print(secrets.token_hex(32))')}" \
-                launch mlflow "$PY" -m mlflow server --host "$HOST" \
+            # (the auth module reads MLFLOW_AUTH_CONFIG_PATH even with the app off: set it
+            # only with a password)
+            mlflow_auth=()
+            if [ -n "$AUTH" ]; then mlflow_auth=(MLFLOW_AUTH_CONFIG_PATH="$STATE/mlflow-auth.ini"); fi
+            if (cd "$STATE" && MLFLOW_FLASK_SERVER_SECRET_KEY="${MLFLOW_FLASK_SERVER_SECRET_KEY:-$("$PY" -c 'import secrets; print(secrets.token_hex(32))')}" \
+                launch mlflow env "${mlflow_auth[@]}" "$PY" -m mlflow server --host "$HOST" \
                 --port "$MLFLOW_PORT" --backend-store-uri "$BACKEND" \
                 --artifacts-destination "$ARTIFACTS" --workers 1 "${security[@]}"); then
                 wait_http mlflow "$MLFLOW_URL/health"
@@ -211,10 +222,8 @@ EOF
         worker)
             # Runs deployments of infra/prefect.yaml; its flow runs start in $GRPO_WORKDIR.
             if (cd "$WORKDIR" && PREFECT_API_URL="$API_URL" MLFLOW_TRACKING_URI="$MLFLOW_URL" \
-                PREFECT_API_AUTH_STRING="$AUTH" MLFLOW_TRACKING_USERNAME="$AUTH_USER" \
-                MLFLOW_TRACKING_PASSWORD="$AUTH_PASSWORD" \
                 GRPO_WORKDIR="$WORKDIR" PREFECT_HOME="$STATE/prefect" launch worker \
-                "$PY" -m prefect worker start --pool "$POOL" --type process --limit 1); then
+                env "${CLIENT_AUTH[@]}" "$PY" -m prefect worker start --pool "$POOL" --type process --limit 1); then
                 # the worker creates its pool once started: deploying before that fails
                 wait_http worker "$API_URL/work_pools/$POOL" || exit 1
                 echo "worker: polling work pool '$POOL' (pid $(cat "$STATE/worker.pid"))"

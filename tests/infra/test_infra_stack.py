@@ -52,7 +52,11 @@ def stack(tmp_path_factory):
     }  # telemetry off etc.: os.environ has flows/env.py's defaults (tests/conftest.py)
     env.pop("PREFECT_API_URL", None)
     env.pop("MLFLOW_TRACKING_URI", None)
-    out = run_script("start-servers.sh", env, *SERVICES)
+    try:
+        out = run_script("start-servers.sh", env, *SERVICES)
+    except BaseException:
+        run_script("stop-servers.sh", env)  # what did start must not outlive the test
+        raise
     api, mlflow_uri = f"http://127.0.0.1:{pport}/api", f"http://127.0.0.1:{mport}"
     assert api in out and mlflow_uri in out and "polling work pool 'grpo-local'" in out
     stack = {

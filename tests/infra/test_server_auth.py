@@ -68,7 +68,11 @@ def _servers(tmp_path: Path, host: str, auth: str | None):
         env.pop(k, None)
     if auth:
         env["GRPO_AUTH"] = auth
-    run_script("start-servers.sh", env, "prefect", "mlflow")
+    try:
+        run_script("start-servers.sh", env, "prefect", "mlflow")
+    except BaseException:
+        run_script("stop-servers.sh", env)  # what did start must not outlive the test
+        raise
     return env, f"http://{host}:{pport}/api", f"http://{host}:{mport}"
 
 

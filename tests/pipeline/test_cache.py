@@ -111,7 +111,7 @@ def test_code_version_hashes_the_grpo_core_and_tasks_sources(tmp_path, monkeypat
     """A fake source tree: editing or adding a module of grpo_core/ or tasks/ changes the
     version; editing flows/ (wiring only, every input passed explicitly) does not."""
     for rel in ("grpo_core/algorithm/losses.py", "tasks/cache.py", "flows/r1.py"):
-        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(f"# {rel}\n")
     monkeypatch.setattr(cache, "__file__", str(tmp_path / "tasks" / "cache.py"))
     version = cache.code_version.__wrapped__  # the computation, without the process memo
@@ -120,7 +120,7 @@ def test_code_version_hashes_the_grpo_core_and_tasks_sources(tmp_path, monkeypat
     assert version() == v0
     (tmp_path / "flows" / "r1.py").write_text("# the CLI changed\n")
     assert version() == v0
-    (tmp_path / "grpo_core" / "losses.py").write_text("# the loss changed\n")
+    (tmp_path / "grpo_core" / "algorithm" / "losses.py").write_text("# the loss changed\n")
     v1 = version()
     assert v1 != v0
     (tmp_path / "tasks" / "score.py").write_text("# a new task module\n")
