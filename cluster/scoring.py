@@ -62,9 +62,9 @@ def score_sharded(cfg: ClusterConfig, request: ScoreRequest):
         except ray.exceptions.RayTaskError as e:  # the task's own exception, as its type
             cause = e.as_instanceof_cause()
             raise cause from None
-    names, n = list(request.weights), len(request.completions)
+    names, n_rows = list(request.weights), len(request.completions)
     per_function = {n: [s for p in parts for s in p.per_function[n]] for n in names}
     errors = {n: [s for p in parts for s in p.errors[n]] for n in names}
     w = {k: float(v) for k, v in request.weights.items()}
-    log.info("scored %d rows in %d Ray tasks", n, len(ranges))
-    return ScoreResult(per_function, errors, weighted_total(per_function, w, n), w)
+    log.info("scored %d rows in %d Ray tasks", n_rows, len(ranges))
+    return ScoreResult(per_function, errors, weighted_total(per_function, w, n_rows), w)

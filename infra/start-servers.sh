@@ -2,8 +2,8 @@
 # Start a local Prefect server, an MLflow server and (optionally) a Prefect process worker
 # on 127.0.0.1, without Docker. Any other bind address turns on both servers' password
 # (Prefect's basic auth, MLflow's basic-auth app); CORS and MLflow's Host check always name
-# the bind address only (docs/team.md "Beyond one machine"). Idempotent: a service whose pid file points at a live
-# process is left alone. Stop them with infra/stop-servers.sh.
+# the bind address only (docs/team.md "Beyond one machine"). Idempotent: a service whose pid
+# file points at a live process is left alone. Stop them with infra/stop-servers.sh.
 #
 #   infra/start-servers.sh                  # prefect + mlflow
 #   infra/start-servers.sh prefect mlflow worker
