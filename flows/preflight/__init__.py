@@ -26,8 +26,11 @@ What is checked:
   tokenizer fingerprint recorded at rollout time matches the policy's
 - lengths: every ``max_completion_length`` is below the model's positions, and every prompt
   of the data files fits with it (tokenised with the model's tokenizer; grpo_core/engines/context.py)
-- the tracking store: an ``http(s)`` server answers ``GET /health`` within 5 s; a sqlite
-  file is an SQLite database and it and its folder are writable
+- the tracking store: an ``http(s)`` server answers ``GET /health`` within 5 s and, when it
+  asks for a password, gets the right one (``MLFLOW_TRACKING_USERNAME``/``_PASSWORD``); a
+  sqlite file is an SQLite database and it and its folder are writable
+- a Prefect server in ``PREFECT_API_URL`` that asks for a password gets the right one
+  (``PREFECT_API_AUTH_STRING``)
 - output folders (``output_dir``, the run folder, ``--out``) are writable and have space
 
 Layout: this module holds the entry points; the checks live in ``rewards``, ``data``

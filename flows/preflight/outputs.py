@@ -39,26 +39,6 @@ def check_tracking(uri: str) -> None:
         )
 
 
-def probe_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
-    """``GET <uri>/health`` must answer 200 within ``timeout`` seconds (one try)."""
-    url = uri.rstrip("/") + "/health"
-    fix = "start it (infra/start-servers.sh) or set tracking.uri=sqlite:///mlflow.db"
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            if r.status == 200:
-                return
-            reason = f"HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        reason = f"HTTP {e.code} from {url}: not an MLflow server?"
-    except urllib.error.URLError as e:
-        reason = str(e.reason)
-    except (TimeoutError, OSError) as e:
-        reason = str(e) or type(e).__name__
-    if "timed out" in reason or reason == "TimeoutError":
-        reason = f"no answer within {timeout:g} s"
-    raise UserError(f"tracking.uri {uri}: no MLflow server answers ({reason}); {fix}")
-
-
 def _get(url: str, authorization: str | None, timeout: float) -> int:
     """The HTTP status of ``GET url`` (with the ``Authorization`` header when given)."""
     req = urllib.request.Request(url)
@@ -69,6 +49,26 @@ def _get(url: str, authorization: str | None, timeout: float) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def probe_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """``GET <uri>/health`` must answer 200 within ``timeout`` seconds (one try)."""
+    url = uri.rstrip("/") + "/health"
+    fix = "start it (infra/start-servers.sh) or set tracking.uri=sqlite:///mlflow.db"
+    try:
+        status = _get(url, None, timeout)
+        if status == 200:
+            return
+        reason = (
+            f"HTTP {status}" if status < 400 else f"HTTP {status} from {url}: not an MLflow server?"
+        )
+    except urllib.error.URLError as e:
+        reason = str(e.reason)
+    except (TimeoutError, OSError) as e:
+        reason = str(e) or type(e).__name__
+    if "timed out" in reason or reason == "TimeoutError":
+        reason = f"no answer within {timeout:g} s"
+    raise UserError(f"tracking.uri {uri}: no MLflow server answers ({reason}); {fix}")
 
 
 def _basic(credentials: str) -> str:
