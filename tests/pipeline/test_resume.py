@@ -43,9 +43,15 @@ RESUME_OVERRIDES = {
     "rl_2": "{iterations: 5}",
     "torch_threads": "1",
 }
-OVERRIDES = [o for o in TINY_OVERRIDES if o.split("=", 1)[0] not in RESUME_OVERRIDES] + [
-    f"{k}={v}" for k, v in RESUME_OVERRIDES.items()
-]
+
+
+def _with(base: list[str], changes: dict[str, str]) -> list[str]:
+    """``base``'s ``--set`` overrides with ``changes`` in place of those of the same keys."""
+    kept = [o for o in base if o.split("=", 1)[0] not in changes]
+    return kept + [f"{k}={v}" for k, v in changes.items()]
+
+
+OVERRIDES = _with(TINY_OVERRIDES, RESUME_OVERRIDES)
 
 # (log line after which the run is killed, line the rerun must print). SFT is killed once it
 # has written a resume checkpoint; RL once iteration 4's rollout is done: iteration 3 is
@@ -225,9 +231,7 @@ TOOL_RESUME = {
     "rl.save_steps": "2",
     "torch_threads": "1",
 }
-TOOL_OVERRIDES = [o for o in TOOL_TINY_OVERRIDES if o.split("=", 1)[0] not in TOOL_RESUME] + [
-    f"{k}={v}" for k, v in TOOL_RESUME.items()
-]
+TOOL_OVERRIDES = _with(TOOL_TINY_OVERRIDES, TOOL_RESUME)
 
 
 @pytest.mark.slow
