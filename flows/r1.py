@@ -8,7 +8,8 @@ run. Departures from the paper, at demo scale: re-SFT starts from the rl_1 check
 restarts from the base model with 800k samples; with a 1M-parameter model and a few hundred
 samples, fine-tuning the RL policy on its own filtered samples is the stable choice), and
 the cold-start SFT can stop early at a target dev accuracy so that RL starts in the band
-where groups have reward variance.
+where groups have reward variance. R1 mixed SFT data it already had into the re-SFT set;
+here that is ``rejection_sampling.mix_sft_rows`` rows of the cold-start data (default none).
 """
 
 from __future__ import annotations
@@ -122,7 +123,15 @@ def _describe(cfg: PipelineConfig, tracking: Tracking) -> None:
     tracking.log_text(parent, yaml.safe_dump(cfg.model_dump(), sort_keys=False), "config.yaml")
 
 
-REJECTION_COUNTS = ("sampled", "passed", "duplicates", "capped", "kept", "acceptance_rate")
+REJECTION_COUNTS = (
+    "sampled",
+    "passed",
+    "duplicates",
+    "capped",
+    "kept",
+    "acceptance_rate",
+    "mixed_sft_rows",
+)
 
 
 def _summary(run: RecipeRun, results: dict, timings: dict[str, float], t_start: float) -> dict:

@@ -111,6 +111,8 @@ def rejection_inputs(run: RecipeRun, stage: Stage) -> tuple[tuple, dict]:
         cfg.seed,
     )
     kwargs = {"force": cfg.forced(stage.name), "engine": cfg.rollout.engine_spec(settings.engine)}
+    if settings.mix_sft_rows:  # some of the cold-start data goes into the re-SFT set
+        kwargs["cold_start_data"] = run.data["sft"]
     return args, kwargs
 
 

@@ -17,6 +17,7 @@ from grpo_core.algorithm.rejection import (
     KEPT,
     OVER_CAP,
     classify_completions,
+    mix_sft_rows,
     to_sft_rows,
 )
 from grpo_core.config.stages import RejectionConfig
@@ -46,9 +47,17 @@ def rejection_sampling(
     seed: int,
     force: bool = False,
     engine: dict | None = None,
+    cold_start_data: str | None = None,
 ) -> RejectionOutcome:
+    """``cold_start_data``: the cold-start SFT data, read when ``cfg.mix_sft_rows`` mixes some
+    of it into the re-SFT set."""
     engine = engine or HF_ENGINE
+    if cfg.mix_sft_rows and not cold_start_data:
+        raise UserError("rejection_sampling.mix_sft_rows: no cold-start SFT data was given")
     settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
+    if not cfg.mix_sft_rows:  # keys of runs from before the setting stay as they were
+        del settings["mix_sft_rows"]
+        cold_start_data = None
     if engine.get("tools"):  # the environment the policy acts in
         settings["tools"] = engine["tools"]
     shards = rollout_shards(cfg.num_prompts)
@@ -61,7 +70,8 @@ def rejection_sampling(
         config=settings,
     ) as run_id:
         tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
-        key = stage_key("rejection_sampling", settings, [checkpoint, rl_path])
+        inputs = [checkpoint, rl_path] + ([cold_start_data] if cold_start_data else [])
+        key = stage_key("rejection_sampling", settings, inputs)
         files = SamplingDir(Path(stage_dir))
         sft_path = str(files.sft_data)
         out = cached(
@@ -71,7 +81,7 @@ def rejection_sampling(
             force=force,
             outputs=[files.rollouts, files.scored],
             compute=lambda: _sample_and_filter(
-                checkpoint, rl_path, stage_dir, cfg, weights, seed, engine
+                checkpoint, rl_path, stage_dir, cfg, weights, seed, engine, cold_start_data
             ),
         )
         per_prompt = acceptance_by_prompt(files, cfg)
@@ -165,7 +175,9 @@ def rejection_line(metrics: dict) -> str:
     parts = [f"{n} sampled", f"{passed} passed ({_pct(passed, n)})", f"{dups} duplicates"]
     if capped:
         parts.append(f"{capped} over the per-prompt cap")
-    return "rejection sampling: " + ", ".join([*parts, f"{kept} kept"])
+    line = "rejection sampling: " + ", ".join([*parts, f"{kept} kept"])
+    mixed = int(metrics.get("mixed_sft_rows") or 0)
+    return f"{line}, + {mixed} cold-start SFT rows" if mixed else line
 
 
 def publish_rejection_artifact(
@@ -202,6 +214,11 @@ def publish_rejection_artifact(
             f"- {capped} passing, distinct ones were over the per-prompt cap ({cap}; dropped)",
             f"- Kept **{kept}** of **{n}** completions ({_pct(kept, n)}) for re-SFT, over "
             f"{int(metrics.get('prompts_covered', 0))} of {len(per_prompt)} prompts",
+            *(
+                [f"- Added **{int(mixed)}** rows of the cold-start SFT data (mix_sft_rows)"]
+                if (mixed := metrics.get("mixed_sft_rows"))
+                else []
+            ),
             "",
             f"Mean reward {metrics.get('reward', float('nan')):.3f}. {link}",
             "",
@@ -225,7 +242,14 @@ def publish_rejection_artifact(
 
 
 def _sample_and_filter(
-    checkpoint, rl_path, stage_dir, cfg: RejectionConfig, weights, seed, engine
+    checkpoint,
+    rl_path,
+    stage_dir,
+    cfg: RejectionConfig,
+    weights,
+    seed,
+    engine,
+    cold_start_data=None,
 ) -> RejectionOutcome:
     files = SamplingDir(Path(stage_dir))
     rows = load_rows(rl_path)
@@ -261,13 +285,18 @@ def _sample_and_filter(
             f"(rejection_sampling.require={cfg.require}), sample more "
             "(rejection_sampling.num_prompts/num_generations) or train rl_1 longer (rl.iterations)"
         )
-    sft_path = write_jsonl(to_sft_rows(kept), files.sft_data)
+    mixed = []
+    if cold_start_data:
+        sft_rows = load_rows(cold_start_data, required=("prompt", "completion"))
+        mixed = mix_sft_rows(sft_rows, cfg.mix_sft_rows, seed)
+    out_path = write_jsonl(to_sft_rows(kept) + mixed, files.sft_data)
     stats = {
         "sampled": float(n),
         "kept": float(len(kept)),
         "acceptance_rate": len(kept) / n,
         **selection_metrics(by_prompt(scored_rows, cfg, status)),
         "prompts_covered": float(len({r["prompt_id"] for r in kept})),
+        **({"mixed_sft_rows": float(len(mixed))} if cold_start_data else {}),
         "reward": scored.metrics["reward"],
         **{k: v for k, v in scored.metrics.items() if k.startswith("rewards/")},
         "completions/mean_length": roll.metrics["completions/mean_length"],
@@ -275,4 +304,4 @@ def _sample_and_filter(
     logger(__name__).info(
         "%s, over %d prompts", rejection_line(stats), int(stats["prompts_covered"])
     )
-    return RejectionOutcome(str(sft_path), stats)
+    return RejectionOutcome(str(out_path), stats)

@@ -3,6 +3,7 @@ threshold, dedupe, cap per prompt, and emit an SFT dataset of prompt/completion 
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 
 FAILED = "failed"  # below ``min_reward`` or a required reward short of its value
@@ -64,6 +65,15 @@ def select_completions(rows: list[dict], **rules) -> list[dict]:
 def to_sft_rows(kept: list[dict]) -> list[dict]:
     """SFT rows: ``prompt``, ``completion`` and the data's passthrough columns (``answer``...)."""
     return [{k: v for k, v in r.items() if not _is_rollout_only(k)} for r in kept]
+
+
+def mix_sft_rows(sft_rows: list[dict], n: int, seed: int) -> list[dict]:
+    """``n`` rows of the cold-start SFT data (all of them when it has fewer), drawn without
+    replacement with ``seed``: what goes into the re-SFT set beside the kept completions
+    (``rejection_sampling.mix_sft_rows``). R1 mixed about 200k SFT rows it already had with
+    its 600k rejection-sampled ones; a policy that has stopped sampling some kind of answer
+    right (nothing of it passes) relearns it from these."""
+    return random.Random(seed).sample(sft_rows, min(n, len(sft_rows)))
 
 
 _ROLLOUT_ONLY = {

@@ -185,6 +185,12 @@ class RejectionConfig(Section):
     max_completion_length: int = Field(48, ge=1)
     min_reward: float = Field(0.0, description="keep completions whose total reward >= this")
     max_per_prompt: int = Field(2, ge=1)
+    mix_sft_rows: int = Field(
+        0,
+        ge=0,
+        description="rows of the cold-start SFT data added to the re-SFT set, drawn with the "
+        "seed (R1 mixed its SFT data back in); 0: the kept completions only",
+    )
     engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
     require: list[str] = Field(
         default_factory=lambda: ["accuracy", "format"],

@@ -18,12 +18,15 @@ from grpo_core.algorithm.rejection import (
     KEPT,
     OVER_CAP,
     classify_completions,
+    mix_sft_rows,
     select_completions,
 )
 from grpo_core.config.stages import RejectionConfig
 from grpo_core.contracts.io import write_jsonl
+from grpo_core.contracts.prompts import load_rows
 from grpo_core.contracts.rollouts import read_scored
 from grpo_core.demo.task import make_splits
+from grpo_core.errors import UserError
 from tasks.rejection import rejection_line, rejection_sampling
 from tasks.tracking.stages import Tracking
 from tasks.workspace import SamplingDir
@@ -170,6 +173,45 @@ def test_the_per_prompt_cap_is_named_and_a_cached_rerun_reports_the_same(
     assert again.cached and {k: again.metrics[k] for k in m} == m
     run = MlflowClient(tracking.uri).get_run(again.run_id)
     assert run.data.metrics["passed"] == 16 and run.data.metrics["capped"] == m["capped"]
+
+
+def test_mixed_cold_start_rows_join_the_kept_ones_and_key_the_stage(
+    tiny_checkpoint, rl_data, tmp_path, tracking
+):
+    sft = make_splits(1, n_sft=8, n_rl=8, n_dev=2, n_eval=2).sft
+    sft_data = str(write_jsonl(sft, tmp_path / "sft.jsonl"))
+    plain = RejectionConfig(num_prompts=4, num_generations=2, max_completion_length=8,
+                            min_reward=0.0, max_per_prompt=2, require=[])  # fmt: skip
+    mixing = plain.model_copy(update={"mix_sft_rows": 3})
+    base = (str(tiny_checkpoint), rl_data)
+    rest = ({"format": 1.0}, tracking, 0)
+
+    alone = rejection_sampling.fn(
+        *base, str(tmp_path / "a"), plain, *rest, cold_start_data=sft_data
+    )
+    mixed = rejection_sampling.fn(
+        *base, str(tmp_path / "m"), mixing, *rest, cold_start_data=sft_data
+    )
+    kept = int(mixed.metrics["kept"])
+    assert kept == alone.metrics["kept"] and "mixed_sft_rows" not in alone.metrics
+    assert mixed.metrics["mixed_sft_rows"] == 3.0
+    rows = load_rows(mixed.path, required=("prompt", "completion"))
+    assert rows[:kept] == load_rows(alone.path, required=("prompt", "completion"))
+    assert rows[kept:] == mix_sft_rows(sft, 3, 0) and all(r in sft for r in rows[kept:])
+    assert rejection_line(mixed.metrics).endswith(f"{kept} kept, + 3 cold-start SFT rows")
+
+    # the SFT file is an input of the mixing stage's key (only): a changed file reruns it
+    run = MlflowClient(tracking.uri).get_run
+    assert run(mixed.run_id).data.tags["cache_key"] != run(alone.run_id).data.tags["cache_key"]
+    write_jsonl(sft[::-1], tmp_path / "sft.jsonl")
+    again = rejection_sampling.fn(
+        *base, str(tmp_path / "m"), mixing, *rest, cold_start_data=sft_data
+    )
+    assert not again.cached
+    assert rejection_sampling.fn(*base, str(tmp_path / "a"), plain, *rest).cached
+
+    with pytest.raises(UserError, match="mix_sft_rows: no cold-start SFT data"):
+        rejection_sampling.fn(*base, str(tmp_path / "x"), mixing, *rest)
 
 
 def _row(prompt_id: str, completion: str, reward: float | None, **rewards) -> dict:
