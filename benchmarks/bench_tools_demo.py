@@ -1,6 +1,8 @@
 """The tool demo (configs/demo-tools.yaml) with and without the python tool, on several seeds,
 one run after another: held-out greedy pass@1 after each stage, RL's own lift (rl_2 minus the
-cold start), wall time, and the tool calls' share of the RL stages' time.
+cold start), wall time, and the tool calls' share of the RL stages' time; then each stage's
+held-out products right by their number of digits (4 or 5: a policy that copies the tool's
+result at a fixed distance gets one length only).
 
     python benchmarks/bench_tools_demo.py --seeds 0 1 2 [--out benchmarks/out/tools_demo]
         [--set KEY=VALUE ...]
@@ -76,6 +78,42 @@ def run_arm(arm: str, seed: int, out: Path, overrides: list[str]) -> dict:
     return m
 
 
+STAGES = ("cold_start_sft", "rl_1", "re_sft", "rl_2")
+
+
+def by_digits(run: Path) -> dict[str, dict[int, tuple[int, int]]]:
+    """Per stage, the held-out products right by their number of digits: {stage: {digits:
+    (right, of)}}. A 3-digit x 2-digit product has 4 or 5 digits, and a policy that copies
+    the tool's result at a fixed distance gets only one length right."""
+    out = {}
+    for stage in STAGES:
+        f = run / "eval" / f"{stage}.parquet"
+        if not f.exists():
+            continue
+        counts: dict[int, list[int]] = {}
+        for r in pq.read_table(f, columns=["answer", "correct"]).to_pylist():
+            c = counts.setdefault(len(r["answer"]), [0, 0])
+            c[0] += bool(r["correct"])
+            c[1] += 1
+        out[stage] = {d: (c[0], c[1]) for d, c in sorted(counts.items())}
+    return out
+
+
+def report_digits(out: Path, seeds: list[int]) -> None:
+    print("\nheld-out products right, by their number of digits (4-digit, 5-digit):")
+    print("| arm | seed | " + " | ".join(STAGES) + " |")
+    print("|" + "---|" * (2 + len(STAGES)))
+    for arm in ARMS:
+        for seed in seeds:
+            run = out / "runs" / f"{arm}-seed{seed}"
+            d = by_digits(run)
+            if not d:
+                continue
+            cells = [", ".join(f"{r}/{n}" for r, n in d[s].values()) if s in d else "-"
+                     for s in STAGES]  # fmt: skip
+            print(f"| {arm} | {seed} | " + " | ".join(cells) + " |")
+
+
 def report(out: Path, seeds: list[int]) -> None:
     head = ["arm", "seed", "cold start", "rl_1", "re_sft", "rl_2", "RL lift", "total",
             "tool calls", "tool s / RL s"]  # fmt: skip
@@ -91,7 +129,7 @@ def report(out: Path, seeds: list[int]) -> None:
             rl_s = m["stage_s"]["rl_1"] + m["stage_s"]["rl_2"]
             tool_s = m["rl_1_tool_s"] + m["rl_2_tool_s"]
             calls = m["rl_1_tool_calls"] + m["rl_2_tool_calls"]
-            cells = [arm, seed, *(f"{a[s]:.1f}%" for s in ("cold_start_sft", "rl_1", "re_sft", "rl_2")),
+            cells = [arm, seed, *(f"{a[s]:.1f}%" for s in STAGES),
                      f"{a['rl_2'] - a['cold_start_sft']:+.1f}", f"{m['total_s']}s", calls,
                      f"{tool_s:.0f}s / {rl_s}s"]  # fmt: skip
             print("| " + " | ".join(map(str, cells)) + " |")
@@ -114,6 +152,7 @@ def main() -> None:
                     print(f"running {arm} seed {seed}", file=sys.stderr, flush=True)
                     run_arm(arm, seed, out, a.overrides)
     report(out, a.seeds)
+    report_digits(out, a.seeds)
 
 
 if __name__ == "__main__":
