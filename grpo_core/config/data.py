@@ -38,6 +38,11 @@ class MultiplyConfig(Section):
     n_dev: int = Field(0, ge=0, description="SFT early-stop split, disjoint from eval")
     n_eval: int = Field(200, ge=1)
     tools: bool = Field(True, description="SFT traces call the python tool (else worked out)")
+    balance_sft: bool = Field(
+        False,
+        description="half the SFT problems have a 4-digit product, half a 5-digit one (swapped "
+        "with RL problems; about a fifth of all products have 4 digits)",
+    )
 
 
 class DataConfig(Section):

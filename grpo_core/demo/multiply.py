@@ -35,11 +35,35 @@ def worked_trace(a: int, b: int) -> str:
     return f"<think>{','.join(steps)}</think><answer>{a * b}</answer>"
 
 
+def balance_lengths(pairs: list[tuple[int, int]], start: int, stop: int) -> None:
+    """Swap problems of ``pairs[start:stop]`` (the SFT split) with ones after ``stop`` (the
+    RL split) until half of the split has a 4-digit product, in place: about a fifth of all
+    products have 4 digits, and a small model fitted to the natural mix copies every result
+    as if it had 5 (docs/tools.md)."""
+    want = (stop - start) // 2
+    four = [i for i in range(start, stop) if pairs[i][0] * pairs[i][1] < 10_000]
+    fives = (i for i in range(start, stop) if pairs[i][0] * pairs[i][1] >= 10_000)
+    spare = (i for i in range(stop, len(pairs)) if pairs[i][0] * pairs[i][1] < 10_000)
+    for _ in range(want - len(four)):
+        i, j = next(fives), next(spare, None)
+        if j is None:
+            raise ValueError("multiply data: too few RL problems to balance the SFT split")
+        pairs[i], pairs[j] = pairs[j], pairs[i]
+
+
 def make_splits(
-    seed: int, n_sft: int, n_rl: int, n_dev: int, n_eval: int, *, tools: bool = True
+    seed: int,
+    n_sft: int,
+    n_rl: int,
+    n_dev: int,
+    n_eval: int,
+    *,
+    tools: bool = True,
+    balance_sft: bool = False,
 ) -> DemoSplits:
     """Disjoint splits of 3-digit x 2-digit products; SFT rows carry the tool-using trace
-    (``tools``) or the worked one."""
+    (``tools``) or the worked one; ``balance_sft``: as many 4-digit products as 5-digit ones
+    in the SFT split (:func:`balance_lengths`)."""
     n_total = n_sft + n_rl + n_dev + n_eval
     space = 900 * 90
     if n_total > space:
@@ -52,6 +76,8 @@ def make_splits(
         if p not in seen:
             seen.add(p)
             pairs.append(p)
+    if balance_sft:
+        balance_lengths(pairs, n_eval + n_dev, n_eval + n_dev + n_sft)
     trace = tool_trace if tools else worked_trace
     return split_rows(
         pairs,
