@@ -47,3 +47,24 @@ def test_generated_tool_traces_call_code_that_gives_the_answer():
         code = called_code(turn, spec)
         assert code is not None, r["completion"]
         assert str(eval(code, {"__builtins__": {}})) == r["answer"], (code, r["answer"])
+
+
+def test_a_balanced_sft_split_is_half_4_digit_and_the_splits_stay_disjoint():
+    def products(rows):
+        return [r["prompt"][0]["content"] for r in rows]
+
+    natural = multiply.make_splits(1, 400, 4000, 50, 100)
+    balanced = multiply.make_splits(1, 400, 4000, 50, 100, balance_sft=True)
+    four = sum(len(r["answer"]) == 4 for r in natural.sft)
+    assert four < 100  # the natural mix: about a fifth
+    assert sum(len(r["answer"]) == 4 for r in balanced.sft) == 200
+    # eval and dev are untouched; SFT swapped problems with RL only, and no problem repeats
+    assert balanced.eval == natural.eval and balanced.dev == natural.dev
+    assert len(balanced.sft) == 400 and len(balanced.rl) == 4000
+    before = set(products(natural.sft + natural.rl))
+    assert set(products(balanced.sft + balanced.rl)) == before
+    everything = products(balanced.sft + balanced.rl + balanced.dev + balanced.eval)
+    assert len(set(everything)) == len(everything)
+    for r in balanced.sft:  # each trace still computes its own product
+        a, b = map(int, r["prompt"][0]["content"].split("*"))
+        assert r["answer"] == str(a * b) and r["completion"] == multiply.tool_trace(a, b)
