@@ -40,11 +40,15 @@ def balance_lengths(pairs: list[tuple[int, int]], start: int, stop: int) -> None
     RL split) until half of the split has a 4-digit product, in place: about a fifth of all
     products have 4 digits, and a small model fitted to the natural mix copies every result
     as if it had 5 (docs/tools.md)."""
+
+    def four_digit(i: int) -> bool:
+        return pairs[i][0] * pairs[i][1] < 10_000
+
     want = (stop - start) // 2
-    four = [i for i in range(start, stop) if pairs[i][0] * pairs[i][1] < 10_000]
-    fives = (i for i in range(start, stop) if pairs[i][0] * pairs[i][1] >= 10_000)
-    spare = (i for i in range(stop, len(pairs)) if pairs[i][0] * pairs[i][1] < 10_000)
-    for _ in range(want - len(four)):
+    n_four = sum(four_digit(i) for i in range(start, stop))
+    fives = (i for i in range(start, stop) if not four_digit(i))
+    spare = (i for i in range(stop, len(pairs)) if four_digit(i))
+    for _ in range(want - n_four):
         i, j = next(fives), next(spare, None)
         if j is None:
             raise ValueError("multiply data: too few RL problems to balance the SFT split")
