@@ -278,6 +278,10 @@ class Sampler:
     def config(self):  # the model's positions, for the prompt-length check
         return self.policy.config
 
-    def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
+    takes_rows = True  # an eval hands it each prompt's data row, for the environment
+
+    def generate(self, prompt_ids, params, *, desc="generate", progress=True, rows=None):
         request = self.request.with_params(params, desc)
+        if rows is not None:
+            request = dataclasses.replace(request, rows=tuple(rows))
         return self.executor.sample(self.policy, prompt_ids, request)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from math import comb
 
 from grpo_core import rewards
-from grpo_core.contracts.text import decode_completion, encode_prompt, prompt_text
+from grpo_core.contracts.text import decode_completion, encode_prompt, model_text, prompt_text
 from grpo_core.engines.context import check_prompt_lengths, model_context
 from grpo_core.engines.generation import SamplingParams, generate
 
@@ -104,9 +104,12 @@ def _context(model, engine) -> int | None:
     return model_context(config) if config is not None else None
 
 
-def _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc):
-    """The samples, prompt-major: by ``engine`` when given, else HF generate."""
+def _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc, rows):
+    """The samples, prompt-major: by ``engine`` when given, else HF generate. An engine
+    that runs episodes of an environment (``takes_rows``) gets each prompt's data row."""
     if engine is not None:
+        if getattr(engine, "takes_rows", False):
+            return engine.generate(prompt_ids, params, desc=desc, rows=rows)
         return engine.generate(prompt_ids, params, desc=desc)
     return generate(
         model,
@@ -198,14 +201,20 @@ def evaluate(
         field="eval.max_completion_length", source=desc,
     )  # fmt: skip
     params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    samples = _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc)
+    samples = _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc, rows)
     # samples are prompt-major: row i's k samples are samples[i*k : (i+1)*k]
     flat_rows = [r for r in rows for _ in range(k)]
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]
+    columns = passthrough_columns(flat_rows)
+    # what the model wrote is scored; a tool's output is not its answer (as in the rollouts:
+    # grpo_core/algorithm/iteration.py, reward_completions)
+    written = [model_text(c, s.turns) for c, s in zip(completions, samples, strict=True)]
+    if any(s.turns for s in samples):
+        columns["trajectory"] = completions
     scored = rewards.score_completions(
         [r["prompt"] for r in flat_rows],
-        completions,
-        passthrough_columns(flat_rows),
+        written,
+        columns,
         {accuracy_reward: 1.0, format_reward: 1.0},
     )
     score = [v or 0.0 for v in scored.per_function[accuracy_reward]]
@@ -221,5 +230,5 @@ def evaluate(
         sum(correct) / n_rows, sum(fmt) / n_rows, sum(lengths) / n_rows, len(rows), table, k
     )
     if k > 1:
-        _add_k_sample_metrics(result, correct, completions, accuracy_reward)
+        _add_k_sample_metrics(result, correct, written, accuracy_reward)
     return result

@@ -123,8 +123,9 @@ def score(
         all_weights[OVERLONG] = scoring.overlong_penalty_factor
     cols = rollouts.to_pydict()
     extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
+    completions = reward_completions(cols, extra, label)
     gids = group_ids(rollouts, label)
-    request = ScoreRequest(cols["prompt"], cols["completion"], extra, all_weights, gids, build)
+    request = ScoreRequest(cols["prompt"], completions, extra, all_weights, gids, build)
     result = scorer(request) if scorer is not None else request.score_here()
     check_reward_failures(result, max_error_rate, label)
     adv, informative = advantages(result, gids, rollouts.num_rows, scoring)
@@ -148,6 +149,23 @@ def score(
     metrics = {**result.metrics(), **group_stats(total, gid_t, informative)}
     n_err = sum(e is not None for errs in result.errors.values() for e in errs)
     return Scored(table, metrics, n_err)
+
+
+def reward_completions(cols: dict, extra: dict, label: str) -> list[str]:
+    """The texts the reward functions score: the model's own (a tool-using episode's
+    assistant turns, ``grpo_core.contracts.text.model_text``), with the whole episode, tool
+    output included, as the ``trajectory`` column beside them (``extra``, in place)."""
+    from grpo_core.contracts.text import model_text
+
+    if "turns" not in cols:
+        return cols["completion"]
+    if "trajectory" in cols:
+        raise UserError(
+            f"{label}: a data column is named 'trajectory', the name reward functions get "
+            "a tool-using episode's whole text under; rename that column"
+        )
+    extra["trajectory"] = cols["completion"]
+    return [model_text(c, t) for c, t in zip(cols["completion"], cols["turns"], strict=True)]
 
 
 def reward_functions(

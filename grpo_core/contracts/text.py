@@ -35,3 +35,13 @@ def encode_completion(tokenizer, completion: str) -> list[int]:
 
 def decode_completion(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def model_text(completion: str, turns: Any = None) -> str:
+    """What the model itself wrote of ``completion``: for a tool-using episode (``turns``,
+    the rollout contract's column: grpo_core/engines/turns.py), its assistant turns' text
+    joined, so that nothing a tool printed can be read as the model's answer; without tool
+    turns, the completion as it is."""
+    if not turns or all(t.get("role") == "assistant" for t in turns):
+        return completion
+    return "".join(t.get("text") or "" for t in turns if t.get("role") == "assistant")

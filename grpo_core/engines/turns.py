@@ -151,7 +151,7 @@ class _Episodes:
         samples = self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
         episodes = [
             _Episode(prompt_ids[s.prompt_index], s.prompt_index, s.sample_index,
-                     env.start(rows[s.prompt_index] if rows else None), params.max_new_tokens)
+                     _start(env, rows[s.prompt_index] if rows else None), params.max_new_tokens)
             for s in samples
         ]  # fmt: skip
         active, turn = list(zip(episodes, samples, strict=True)), 0
@@ -225,6 +225,25 @@ class _Episodes:
         return going
 
 
+@dataclass
+class _Unstarted:
+    """An episode whose environment failed to start: each call answers with that error."""
+
+    error: str
+
+    def step(self, model_turn: str) -> Observation | None:
+        raise RuntimeError(self.error)
+
+
+def _start(env, row):
+    """``env``'s episode for ``row``; one that raises is recorded on each call of the
+    episode (an error observation, as a failing step is), not a crash of the batch."""
+    try:
+        return env.start(row)
+    except Exception as exc:
+        return _Unstarted(f"the environment did not start: {type(exc).__name__}: {exc}")
+
+
 def _clip(ids: list[int], limit: int, end: list[int]) -> list[int]:
     """An observation's ids within ``limit`` tokens, still ending with the result marker
     ``end`` when it had to be cut."""
@@ -250,9 +269,11 @@ class TurnEngine:
     def config(self):
         return self.engine.config
 
-    def generate(self, prompt_ids, params, *, desc: str = "generate", progress: bool = True):
+    takes_rows = True  # an eval hands it each prompt's data row, for the environment
+
+    def generate(self, prompt_ids, params, *, desc="generate", progress=True, rows=None):
         return run_turns(self.engine, prompt_ids, params, desc=desc, progress=progress,
-                         tools=self.tools)  # fmt: skip
+                         tools=self.tools, rows=rows)  # fmt: skip
 
     def sleep(self) -> None:
         getattr(self.engine, "sleep", lambda: None)()

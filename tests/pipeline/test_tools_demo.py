@@ -83,3 +83,28 @@ def test_the_tool_demo_runs_records_episodes_and_rescores_without_the_tool(
         )
     rescored = pq.read_table(out.path)
     assert rescored.column("reward").to_pylist() == scored.column("reward").to_pylist()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ISOLATED, reason="no sandbox isolation on this machine")
+def test_an_environment_that_reads_its_row_runs_through_every_eval(
+    prefect_harness, tmp_path, tracking_uri, monkeypatch
+):
+    """A user's environment that needs the data row to start an episode: the rollouts, the
+    held-out evals of every stage and the final eval all hand it the row (it logs each
+    start's row; without one it raised, and every eval crashed)."""
+    from flows.r1 import r1_pipeline
+
+    log = tmp_path / "rows.log"
+    monkeypatch.setenv("GRPO_TEST_ROW_LOG", str(log))
+    env = "rollout.tools=[tests.tools.test_tool_answers:make_row_python]"
+    cfg = load_config(str(CONFIG), [*TINY, env, f"output_dir={tmp_path / 'runs'}",
+                                    f"tracking.uri={tracking_uri}"])  # fmt: skip
+    summary = r1_pipeline(cfg)
+    assert len(summary["stages"]) == 4
+    started = log.read_text().split()
+    tables = sorted((tmp_path / "runs").glob("**/eval*.parquet"))
+    assert len(tables) >= 3  # rl_1's and rl_2's evals; the final eval reuses them
+    answers = {str(r["answer"]) for f in tables for r in pq.read_table(f).to_pylist()}
+    assert "None" not in started  # every episode got its row
+    assert answers <= set(started)  # the evals' episodes among them
