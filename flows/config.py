@@ -145,6 +145,7 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def _overrides_valid(self) -> PipelineConfig:
+        self.sft_config()
         self.re_sft_config()
         self.rl_2_config()
         if not self.rewards:
@@ -214,11 +215,37 @@ class PipelineConfig(Section):
     def forced(self, stage: str) -> bool:
         return "all" in self.force or stage in self.force
 
+    def sft_config(self) -> SFTConfig:
+        """The cold start's settings: ``sft``, masking the tool's output when tools are on
+        (:meth:`_tool_output_masked`)."""
+        return self._tool_output_masked(self.sft, "sft")
+
     def re_sft_config(self) -> SFTConfig:
         try:
-            return SFTConfig(**{**self.sft.model_dump(), **self.re_sft})
+            cfg = SFTConfig(**{**self.sft.model_dump(), **self.re_sft})
         except ValidationError as e:
             raise ValueError(validation_message(e, SFTConfig, "re_sft")) from None
+        return self._tool_output_masked(cfg, "re_sft")
+
+    def _tool_output_masked(self, cfg: SFTConfig, where: str) -> SFTConfig:
+        """With ``rollout.tools``, an SFT stage's traces hold the tool's output (the cold
+        start's, and every rejection-sampled episode's): it is context, never a target. An
+        empty ``mask_spans`` becomes the tool's result markers; one that leaves them out is
+        refused (the stage would train the model to write what the tool printed)."""
+        if not self.rollout.tools:
+            return cfg
+        span = (self.rollout.tool_result_start, self.rollout.tool_result_end)
+        if not cfg.mask_spans:
+            return cfg.model_copy(update={"mask_spans": [span]})
+        if span not in [tuple(s) for s in cfg.mask_spans]:
+            raise ValueError(
+                f"{where}.mask_spans: {[list(s) for s in cfg.mask_spans]} does not mask the "
+                f"tool's output {list(span)} (rollout.tool_result_start, "
+                f"rollout.tool_result_end): {where} would train the model to write what the "
+                "tool printed; add that pair, or leave mask_spans empty (with rollout.tools "
+                "it is the tool's result markers)"
+            )
+        return cfg
 
     def rl_2_config(self) -> RLConfig:
         try:

@@ -122,7 +122,7 @@ RECIPE: tuple[Stage, ...] = (
         "cold_start_sft",
         sft_stage,
         sft_inputs,
-        attrgetter("sft"),
+        PipelineConfig.sft_config,
         init="base",
         data="sft",
         dev="dev",

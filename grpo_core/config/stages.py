@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from grpo_core.config.data import DataConfig, DemoDataConfig, WordProblemsConfig
 from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
@@ -62,8 +62,18 @@ class SFTConfig(TrainingKnobs):
         default_factory=list,
         description="[[start, end], ...]: completion text from a start marker to its end marker "
         "(both included) is context, not a target: no loss (a tool's output in a tool-using "
-        "trace, as the RL update masks it; e.g. [['<tool_response>', '</tool_response>']])",
+        "trace, as the RL update masks it; e.g. [['<tool_response>', '</tool_response>']]; "
+        "with rollout.tools, empty means the tool's result markers)",
     )
+
+    @field_validator("mask_spans")
+    @classmethod
+    def _markers_not_empty(cls, spans: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """An empty marker matches everywhere: the span search would never advance."""
+        for i, (start, end) in enumerate(spans):
+            if not start or not end:
+                raise ValueError(f"mask_spans[{i}]: {[start, end]}: both markers must be non-empty")
+        return spans
 
     @property
     def training(self) -> SFTSettings:

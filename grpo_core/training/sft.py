@@ -79,6 +79,8 @@ def encode_examples(
 def split_spans(text: str, spans: tuple) -> list[tuple[str, int]]:
     """``text`` cut into ``(piece, 1)`` and ``(span, 0)`` pieces, a span running from a start
     marker to the first end marker after it (to the text's end when none follows)."""
+    if not all(a and b for a, b in spans):
+        raise ValueError(f"mask_spans: {[list(s) for s in spans]}: markers must be non-empty")
     pieces, pos = [], 0
     while True:
         hits = [(text.find(a, pos), a, b) for a, b in spans if text.find(a, pos) >= 0]

@@ -68,3 +68,39 @@ def test_a_balanced_sft_split_is_half_4_digit_and_the_splits_stay_disjoint():
     for r in balanced.sft:  # each trace still computes its own product
         a, b = map(int, r["prompt"][0]["content"].split("*"))
         assert r["answer"] == str(a * b) and r["completion"] == multiply.tool_trace(a, b)
+
+
+def test_with_tools_both_sft_stages_mask_the_tool_output_unless_told_otherwise():
+    """With ``rollout.tools`` the cold start and re-SFT (whose rows are rejection-sampled
+    episodes, tool output included) mask the tool's result markers by default; a
+    ``mask_spans`` that leaves them out is refused by name, before anything runs."""
+    from pathlib import Path
+
+    import pytest
+
+    from flows.config import load_config
+    from grpo_core.errors import UserError
+
+    tools = str(Path(__file__).resolve().parents[2] / "configs" / "demo-tools.yaml")
+    markers = ["rollout.tool_result_start=<out>", "rollout.tool_result_end=</out>"]
+    cfg = load_config(tools, ["sft.mask_spans=[]", "re_sft={max_steps: 3}", *markers])
+    assert cfg.sft_config().mask_spans == cfg.re_sft_config().mask_spans == [("<out>", "</out>")]
+    assert cfg.sft_config().training.mask_spans == (("<out>", "</out>"),)
+    for bad, where in ((["sft.mask_spans=[[a, b]]"], "sft.mask_spans"),
+                       (["re_sft={mask_spans: [[a, b]]}"], "re_sft.mask_spans")):  # fmt: skip
+        with pytest.raises(UserError, match=f"{where}.*does not mask the tool's output"):
+            load_config(tools, bad)
+    plain = load_config(None, [])  # no tools: nothing masked, as before
+    assert plain.sft_config().mask_spans == plain.re_sft_config().mask_spans == []
+
+
+def test_an_empty_marker_is_refused_not_an_endless_loop():
+    import pytest
+
+    from flows.config import load_config
+    from grpo_core.errors import UserError
+
+    with pytest.raises(UserError, match=r"mask_spans\[0\].*non-empty"):
+        load_config(None, ['sft.mask_spans=[["", "</x>"]]'])
+    with pytest.raises(ValueError, match="non-empty"):
+        split_spans("abc", (("<x>", ""),))
