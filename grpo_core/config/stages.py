@@ -22,6 +22,7 @@ from grpo_core.config.rl import RLConfig
 from grpo_core.config.section import Section, TrainingKnobs
 from grpo_core.config.settings import SFTSettings, same_named
 from grpo_core.engines.environments import CALL_END, CALL_START, RESULT_END, RESULT_START, ToolSpec
+from grpo_core.engines.observations import TRUNCATION_MARK
 
 __all__ = [
     "DataConfig",
@@ -152,6 +153,11 @@ class RolloutConfig(Section):
     tool_timeout_s: float = Field(5.0, gt=0, description="one tool call's wall clock")
     tool_memory_mb: int = Field(512, ge=64, description="one tool call's address space")
     tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+    tool_truncation_mark: str = Field(
+        TRUNCATION_MARK,
+        description="put before the result end marker where a tool's output was cut to "
+        "max_tool_output_tokens (the model and the turns record see it was cut)",
+    )
 
     def tool_spec(self) -> dict | None:
         """The environment's settings (``grpo_core.engines.environments.ToolSpec`` fields), or
@@ -169,6 +175,7 @@ class RolloutConfig(Section):
             timeout_s=self.tool_timeout_s,
             memory_mb=self.tool_memory_mb,
             workers=self.tool_workers,
+            truncation_mark=self.tool_truncation_mark,
         ).as_dict()
 
     def engine_options(self, name: str) -> dict:

@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from grpo_core.engines.observations import TRUNCATION_MARK
+
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
 RESULT_START, RESULT_END = "<tool_response>", "</tool_response>"
 
@@ -47,6 +49,7 @@ class ToolSpec:
     memory_mb: int = 512  # one call's address space
     workers: int = 0  # tool calls run at once (0: the machine's cores)
     isolation: str | None = None  # the sandbox's (None: sandbox.isolation / auto)
+    truncation_mark: str = TRUNCATION_MARK  # where an observation over its budget was cut
 
     def as_dict(self) -> dict:
         from dataclasses import asdict

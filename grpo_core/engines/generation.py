@@ -9,8 +9,8 @@ same distribution (the sampling policy's logprob, vLLM's ``processed_logprobs``)
 
 Logits are adjusted in vLLM's order: repetition penalty (on prompt and completion tokens)
 -> temperature -> min-p -> top-k -> top-p. A sequence stops on an EOS token or when its
-decoded completion contains a stop string (the completing token is kept, as in vLLM's
-``token_ids``), or at ``max_new_tokens``.
+decoded completion (special tokens kept) contains a stop string (the completing token is
+kept, as in vLLM's ``token_ids``), or at ``max_new_tokens``.
 """
 
 from __future__ import annotations
@@ -234,6 +234,13 @@ def _generate_batch(
     return out.lists()
 
 
+def stop_strings(tokenizer, stops: tuple[str, ...]) -> Callable[[list[list[int]]], list[bool]]:
+    """:func:`stop_string_matcher` on ``tokenizer``'s text with special tokens kept: a stop
+    string that is a special token (a tool's call marker such as Llama 3.1's
+    ``<|python_tag|>``) stops the sequence too."""
+    return stop_string_matcher(lambda ids: tokenizer.decode(ids, skip_special_tokens=False), stops)
+
+
 def stop_string_matcher(
     decode: Callable[[list[int]], str], stops: tuple[str, ...]
 ) -> Callable[[list[list[int]]], list[bool]]:
@@ -353,9 +360,7 @@ def generate(
     if params.stop:
         if tokenizer is None:
             raise ValueError("stop strings need the tokenizer: generate(..., tokenizer=tok)")
-        stop_hits = stop_string_matcher(
-            lambda ids: tokenizer.decode(ids, skip_special_tokens=True), params.stop
-        )
+        stop_hits = stop_strings(tokenizer, params.stop)
     eos_ids = {eos_token_ids} if isinstance(eos_token_ids, int) else set(eos_token_ids)
     generator = None
     if params.seed is not None:

@@ -37,6 +37,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
+from grpo_core.engines.observations import (
+    call_turn,
+    clip_observation,
+    encode_mark,
+    encode_observation,
+)
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample, SamplingParams
@@ -185,8 +191,7 @@ class _Episodes:
         ep.finish = "length" if cut else s.finish_reason
         if cut or s.finish_reason != "stop" or ep.left <= 0 or turn + 1 >= self.spec.max_turns:
             return None
-        text = tok.decode(ids, skip_special_tokens=False)
-        return text if text.rstrip().endswith(self.spec.call_end) else None
+        return call_turn(tok, ids, self.spec.call_end)
 
     def _step(self, call: tuple[_Episode, str]) -> Observation | None:
         """The episode's answer to a turn; an environment that raises answers with its error
@@ -208,13 +213,14 @@ class _Episodes:
         workers = self.spec.workers or os.cpu_count() or 1
         with ThreadPoolExecutor(max_workers=min(workers, len(calls))) as pool:
             observations = list(pool.map(self._step, calls))
-        tok, going = self.engine.tokenizer, []
+        tok, going, spec = self.engine.tokenizer, [], self.spec
+        mark = encode_mark(tok, spec.truncation_mark)
+        end = tok(spec.result_end, add_special_tokens=False)["input_ids"]
         for (ep, _), obs in zip(calls, observations, strict=True):
             if obs is None:  # the environment ends the episode
                 continue
-            ids = _clip(tok.encode(obs.text, add_special_tokens=False),
-                        self.spec.max_tool_output_tokens,
-                        tok.encode(self.spec.result_end, add_special_tokens=False))  # fmt: skip
+            ids = encode_observation(tok, obs.text, spec.result_start, spec.result_end)
+            ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
             take = ids[: ep.left]
             text = tok.decode(take, skip_special_tokens=True)
             ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)
@@ -242,15 +248,6 @@ def _start(env, row):
         return env.start(row)
     except Exception as exc:
         return _Unstarted(f"the environment did not start: {type(exc).__name__}: {exc}")
-
-
-def _clip(ids: list[int], limit: int, end: list[int]) -> list[int]:
-    """An observation's ids within ``limit`` tokens, still ending with the result marker
-    ``end`` when it had to be cut."""
-    if len(ids) <= limit:
-        return ids
-    keep = max(0, limit - len(end))
-    return ids[:keep] + end[: limit - keep]
 
 
 class TurnEngine:

@@ -214,6 +214,7 @@ class VLLMEngine:
             logprobs=0,
             flat_logprobs=True,
             detokenize=bool(params.stop),
+            skip_special_tokens=False,  # stop strings that are special tokens match too
         )
 
     def generate(

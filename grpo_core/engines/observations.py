@@ -1,0 +1,79 @@
+"""An environment's answer as the policy's tokens, and a model turn's call as text.
+
+The turn loop (grpo_core/engines/turns.py) appends an observation's ids to the episode. What
+a tool prints is data, whatever it holds:
+
+- text that is not valid Unicode (an unpaired surrogate, ``print("\\udc80")``) reaches the
+  policy escaped (``\\udc80``), never as a crash of the batch;
+- the body between the result markers is tokenised with special tokens split
+  (``split_special_tokens``): a tool printing ``<|eos|>`` or a role marker gives the
+  characters, never the EOS or role id; the result markers themselves keep their ids;
+- an observation longer than its budget is cut, says so with the truncation mark, and still
+  ends with the result end marker.
+
+And a model turn calls a tool when its end marker completes within the turn's last token,
+also when that token carries characters after it (``>.`` in a BPE vocabulary).
+
+Nothing here imports prefect, mlflow or ray.
+"""
+
+from __future__ import annotations
+
+TRUNCATION_MARK = "...(truncated)"
+
+
+def as_text(text: str) -> str:
+    """``text`` with anything UTF-8 cannot encode (lone surrogates) backslash-escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def encode_observation(tok, text: str, start: str, end: str) -> list[int]:
+    """The ids of an observation's ``text``: the result markers ``start``/``end`` where it
+    begins and ends with them, the rest with special tokens split into characters."""
+    text = as_text(text)
+    head = start if start and text.startswith(start) else ""
+    tail = end if end and text.endswith(end) and len(text) >= len(head) + len(end) else ""
+    body = text[len(head) : len(text) - len(tail)]
+    ids = tok(body, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return _plain(tok, head) + ids + _plain(tok, tail)
+
+
+def clip_observation(ids: list[int], limit: int, mark: list[int], end: list[int]) -> list[int]:
+    """``ids`` within ``limit`` tokens; when cut, the kept head, then the truncation ``mark``
+    (as much as fits), then the result ``end`` marker."""
+    if len(ids) <= limit:
+        return ids
+    end = end[:limit]
+    mark = mark[: max(0, limit - len(end) - 1)]  # at least one token of the output stays
+    keep = max(0, limit - len(end) - len(mark))
+    return ids[:keep] + mark + end
+
+
+def encode_mark(tok, mark: str) -> list[int]:
+    return (
+        tok(mark, add_special_tokens=False, split_special_tokens=True)["input_ids"] if mark else []
+    )
+
+
+def _plain(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def call_turn(tok, ids: list[int], call_end: str) -> str | None:
+    """The text of a model turn (``ids``, special tokens kept) up to the end of its call
+    marker when the turn calls a tool: the text ends with ``call_end``, or ``call_end``
+    completes within the last token (a merged token such as ``>.``; what follows it is
+    the model's, kept in the episode but not part of the call). None: no call (EOS ended
+    the turn, or the marker is not at its end)."""
+    if not ids:
+        return None
+    text = tok.decode(ids, skip_special_tokens=False)
+    if text.rstrip().endswith(call_end):
+        return text
+    if ids[-1] == tok.eos_token_id:
+        return None
+    at = text.rfind(call_end)
+    if at < 0:
+        return None
+    head = tok.decode(ids[:-1], skip_special_tokens=False)
+    return text[: at + len(call_end)] if at + len(call_end) > len(head) else None
