@@ -1,4 +1,4 @@
-"""The candidate process: runs INSIDE the sandbox as ``python -I -B -c <_seccomp.py + _wire.py +
+"""The candidate process: runs INSIDE the sandbox as ``python -s -P -B -c <_seccomp.py + _wire.py +
 this file's text> <request fd> <reply fd>``, started by the harness (``_harness.py``). Stdlib
 only.
 
@@ -15,7 +15,9 @@ verdict: no nonce, no verdict pipe, no test. Before it reads the program it lock
    (the names the tests take from the program) is: ``"callable"``, a plain value, or why not.
    With ``"capture": N`` (a tool call, grpo_core/engines/environments.py) the program runs as
    ``__main__`` with its stdout and stderr kept in memory (the first N characters), the
-   reply carries them as ``"output"``, and the process ends: an observation, not a verdict;
+   reply carries them as ``"output"``, and the process ends, 0 when the program ran without
+   raising, else 1 (the harness reads whether the call failed from that status, not from the
+   reply): an observation, not a verdict;
 2. each further request ``{"name", "args", "kwargs"}`` calls that name with the decoded
    arguments; the reply carries the result as a plain value (``_wire.py``: an object of the
    program's, a numpy object array, a generator are refused), or the exception's type name
@@ -117,9 +119,9 @@ def _serve():
         error = "" if ok else _message(exc)
     except BaseException as exc:
         ok, error = False, _message(exc)
-    if capture is not None:  # a tool call: what it printed, and how it ended
-        send(rep, {"ok": ok, "error": error, "output": capture.value()})
-        exit_now(0)
+    if capture is not None:  # a tool call: what it printed; whether it raised is the exit
+        send(rep, {"ok": ok, "error": error, "output": capture.value()})  # status (a reply
+        exit_now(0 if ok else 1)  # the program forged on the pipe cannot change it)
     if main:  # code_runs: the verdict is this process's exit status, which the harness reads
         if error:  # from outside (a reply the program forged on the pipe counts for nothing)
             _sys.stderr.write("grpo-candidate: " + error + "\n")

@@ -40,7 +40,10 @@ class _Link:
         req_r, req_w = os.pipe()
         rep_r, rep_w = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-B", "-c", code, str(req_r), str(rep_w)],
+            # -s -P: -I without -E, so that PYTHONHASHSEED (the launcher's clean environment
+            # sets it, and nothing else of Python's) fixes str/bytes hashing: set order and
+            # hash() are the same in a run and its resume
+            [sys.executable, "-s", "-P", "-B", "-c", code, str(req_r), str(rep_w)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             pass_fds=(req_r, rep_w),
@@ -285,8 +288,12 @@ def _start_candidate(payload, names, emit):
         except CandidateGone:
             reply = None
         if type(reply) is dict:
-            emit("program", "", reply.get("ok") is True, reply.get("error") or "")
-            emit("output", "", True, reply.get("output") or "", limit=limit + 100)
+            # whether it ran is the candidate's exit status, read from outside: the program
+            # holds the reply pipe and could forge {"ok": true} on it before raising
+            rc = link.proc.wait()
+            error = "" if rc == 0 else str(reply.get("error") or "") or f"exit status {rc}"
+            emit("program", "", rc == 0, error)
+            emit("output", "", True, str(reply.get("output") or ""), limit=limit + 100)
         return link, None
     try:
         first = link.ask({"program": payload["program"], "main": False, "names": names})

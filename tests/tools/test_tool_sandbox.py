@@ -79,3 +79,33 @@ def test_a_flood_of_output_is_cut_and_the_next_call_still_runs():
     flood = tool.run("print('7' * (50 << 20))")
     assert len(flood.text) < 10_000 and "more characters" in flood.text
     assert tool.run("print(6*7)").text == f"{SPEC.result_start}42{SPEC.result_end}"
+
+
+FORGE_THEN_RAISE = """
+import json, os, sys
+os.write(int(sys.argv[2]), (json.dumps({"ok": True, "error": "", "output": "42"}) + "\\n").encode())
+raise ValueError("the call failed")
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "namespaces"])
+def test_a_reply_forged_on_the_pipe_does_not_hide_a_failed_call(isolation):
+    """The program writes ``{"ok": true}`` on the candidate's reply pipe, then raises: the
+    observation still says the call failed (the exit status decides, read from outside)."""
+    try:
+        detect_isolation(isolation)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    tool = PythonTool(ToolSpec(isolation=isolation))
+    obs = tool.run(FORGE_THEN_RAISE)
+    assert obs.error is not None
+    assert tool.run("print(6 * 7)").error is None
+
+
+def test_hashing_is_the_same_on_every_call():
+    """str hashing and set order do not change between calls (nor between a run and its
+    resume): the sandbox fixes PYTHONHASHSEED for the program."""
+    tool = PythonTool(ToolSpec())
+    code = "print(hash('grpo'), list({'a', 'b', 'c', 'd', 'e', 'f', 'g'}))"
+    outputs = {tool.run(code).text for _ in range(3)}
+    assert len(outputs) == 1
