@@ -63,12 +63,44 @@ def content_hash(path: str | Path) -> str:
     return memo_sha256(p)
 
 
-def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> str:
+def user_code(names) -> dict[str, str]:
+    """``{name: sha256}`` of the source file behind each user function a stage runs
+    (``module:function`` or ``path/file.py:function``: an environment, a reward): editing
+    it changes the stage's key, as editing the pipeline's own code does. Registered names
+    (no ``:``) are the pipeline's code. Only the file that defines the function is hashed,
+    not what it imports. A name that cannot be found keys as ``unresolved``."""
+    out = {}
+    for name in sorted({n for n in names if isinstance(n, str) and ":" in n}):
+        path = _source_file(name.rsplit(":", 1)[0])
+        out[name] = memo_sha256(path) if path is not None else "unresolved"
+    return out
+
+
+def _source_file(module: str) -> Path | None:
+    import importlib.util
+
+    if module.endswith(".py"):
+        p = Path(module)
+        return p if p.is_file() else None
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    return Path(origin) if origin and Path(origin).is_file() else None
+
+
+def stage_key(
+    stage: str, config: dict[str, Any], inputs: list[str | Path], *, code: tuple = ()
+) -> str:
+    """``code``: the user functions (environments, rewards) the stage runs, by name
+    (:func:`user_code`)."""
     from tasks.policies import (
         memo as policy_memo,  # how policies are loaded (model.dtype, lora, ...): tasks/policies/memo.py
     )
 
     model = policy_memo.options_key()
+    users = user_code(code)
     blob = json.dumps(
         {
             "stage": stage,
@@ -76,6 +108,7 @@ def stage_key(stage: str, config: dict[str, Any], inputs: list[str | Path]) -> s
             "inputs": [content_hash(p) for p in inputs],
             "code": code_version(),
             **({"model": model} if model is not None else {}),
+            **({"user_code": users} if users else {}),
         },
         sort_keys=True,
         default=str,

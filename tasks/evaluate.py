@@ -44,7 +44,8 @@ def evaluate_checkpoint(
     settings = {**cfg.model_dump(), "engine": engine["name"]}
     if engine.get("tools"):  # the environment the policy acts in
         settings["tools"] = engine["tools"]
-    key = stage_key("eval", settings, [checkpoint, eval_path])
+    code = (cfg.accuracy_reward, cfg.format_reward, *(settings.get("tools") or {}).get("tools", ()))
+    key = stage_key("eval", settings, [checkpoint, eval_path], code=code)
 
     def compute() -> EvalOutcome:
         hit = None if force or not same_as else lookup(same_as, key)

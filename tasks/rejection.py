@@ -71,7 +71,8 @@ def rejection_sampling(
     ) as run_id:
         tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
         inputs = [checkpoint, rl_path] + ([cold_start_data] if cold_start_data else [])
-        key = stage_key("rejection_sampling", settings, inputs)
+        code = (*weights, *(settings.get("tools") or {}).get("tools", ()))
+        key = stage_key("rejection_sampling", settings, inputs, code=code)
         files = SamplingDir(Path(stage_dir))
         sft_path = str(files.sft_data)
         out = cached(

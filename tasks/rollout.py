@@ -243,7 +243,8 @@ def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engi
         params["rollout_shards"] = shards
     if engine.get("tools"):  # the environment's settings (rollout.tools and its knobs)
         params["tools"] = engine["tools"]
-    return stage_key("rollout", params, [policy_path, rl_path])
+    tools = (engine.get("tools") or {}).get("tools") or ()
+    return stage_key("rollout", params, [policy_path, rl_path], code=tuple(tools))
 
 
 def _rollout(

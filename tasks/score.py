@@ -109,7 +109,8 @@ def score(
 def score_key(weights: dict[str, float], rl: RLConfig, rollouts_path: str) -> str:
     """The score stage's cache key: the reward weights, the scoring settings and the
     rollout file's content."""
-    return stage_key("score", {"rewards": weights, **score_options(rl)}, [rollouts_path])
+    config = {"rewards": weights, **score_options(rl)}
+    return stage_key("score", config, [rollouts_path], code=tuple(weights))
 
 
 def score_options(rl: RLConfig) -> dict:

@@ -208,7 +208,8 @@ def sft_stage(
         inputs = [init_checkpoint, data_path] + (
             [dev_path] if dev_path and cfg.target_accuracy is not None else []
         )
-        key = stage_key("sft", settings, inputs)
+        code = (tools or {}).get("tools", ()) if cfg.target_accuracy is not None else ()
+        key = stage_key("sft", settings, inputs, code=tuple(code))
 
         log_step, log_restored = _step_loggers(tracking, run_id)
         out = cached(

@@ -60,3 +60,29 @@ def test_stage_keys_are_pinned(name, tmp_path, monkeypatch):
         update_key(rl, str(a), str(b), str(a), global_step=4, total_steps=100, seed=0),
     )
     assert keys == PINNED[name]
+
+
+def test_editing_a_user_environment_or_reward_changes_the_keys(tmp_path, monkeypatch):
+    """A ``file.py:function`` environment or reward is code the stage runs: editing its file
+    invalidates the rollouts and scores it made (built-in names keep the pinned keys)."""
+    monkeypatch.setattr(cache, "code_version", lambda: "pinned")
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    a.write_bytes(b"policy weights stand-in")
+    b.write_bytes(b"prompts stand-in")
+    user = tmp_path / "mine.py"
+    user.write_text("def make_env(spec):\n    return None\n\ndef reward(**kw):\n    return []\n")
+    rl = RLConfig()
+    engine = {**HF_ENGINE, "tools": {"tools": [f"{user}:make_env"]}}
+
+    def keys():
+        return (rollout_key("rl_1", 3, str(a), str(b), rl, 0, engine),
+                score_key({f"{user}:reward": 1.0}, rl, str(a)))  # fmt: skip
+
+    before = keys()
+    assert keys() == before
+    user.write_text(user.read_text() + "# edited\n")
+    after = keys()
+    assert after[0] != before[0] and after[1] != before[1]
+    python = {**HF_ENGINE, "tools": {"tools": ["python"]}}
+    assert cache.user_code(["python", "accuracy"]) == {}
+    assert rollout_key("rl_1", 3, str(a), str(b), rl, 0, python) != before[0]
