@@ -129,6 +129,24 @@ class UpdateBatch:
         return chunks
 
 
+MAX_ADVANTAGE = 1e8  # beyond it the squared gradients overflow float32 in the clip's norm
+
+
+def check_advantages(advantages, where: str = "build_batch", hint: str = "") -> None:
+    """Refuse a NaN, infinite or absurd (beyond +-``MAX_ADVANTAGE``) advantage, naming the
+    first bad row: a NaN turns every weight NaN in the first step, and an advantage of 1e30
+    overflows the gradient norm, so the step silently leaves the weights as they were."""
+    import math
+
+    for i, a in enumerate(advantages):
+        a = float(a) if a is not None else None
+        if a is None or not math.isfinite(a) or abs(a) > MAX_ADVANTAGE:
+            raise ValueError(
+                f"{where}: row {i}: advantage is {a!r}, expected a finite number within "
+                f"+-{MAX_ADVANTAGE:g}" + (f" ({hint})" if hint else "")
+            )
+
+
 def build_batch(
     prompt_ids: list[list[int]],
     completion_ids: list[list[int]],
@@ -140,12 +158,13 @@ def build_batch(
     sampling_logprobs: list[list[float]] | None = None,
     loss_masks: list[list[int] | None] | None = None,
 ) -> UpdateBatch:
-    """Pad rollouts into an :class:`UpdateBatch`. ``truncated`` rows get an all-zero mask
+    """Pad rollouts into an :class:`UpdateBatch` (advantages checked: :func:`check_advantages`). ``truncated`` rows get an all-zero mask
     (TRL's ``mask_truncated_completions``); ``group_ids`` must be group-contiguous.
     ``loss_masks``: per row, which completion tokens the model wrote (1) and which an
     environment added (0: no loss, not counted in any normaliser); None: all the model's."""
     import numpy as np  # row-by-row fills in numpy: ~10x fewer tiny torch ops
 
+    check_advantages(advantages)
     N = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     T = max(1, max(len(c) for c in completion_ids))

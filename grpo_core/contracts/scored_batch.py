@@ -11,7 +11,7 @@ import pyarrow as pa
 import torch
 
 from grpo_core.algorithm.sampling_filters import dynamic_sampling_mask
-from grpo_core.contracts.batch import UpdateBatch, build_batch
+from grpo_core.contracts.batch import UpdateBatch, build_batch, check_advantages
 from grpo_core.contracts.rollouts import group_ids, read_scored
 
 COLUMNS = ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
@@ -83,13 +83,7 @@ class ScoredRows:
 
 
 def _check_finite(advantages: list, path) -> None:
-    """A NaN or infinite advantage would turn every weight NaN in the first step: refuse the
-    file, naming the first bad row (the scoring stage writes 0 for unscorable rows)."""
-    import math
-
-    for i, a in enumerate(advantages):
-        if a is None or not math.isfinite(a):
-            raise ValueError(
-                f"{path}: row {i}: advantage is {a!r}, expected a finite number (the scoring "
-                "stage writes 0 for rows it could not score; re-score the file with grpo score)"
-            )
+    """A scored file's advantages, checked before the update (:func:`check_advantages`,
+    the hint: re-score it)."""
+    check_advantages(advantages, str(path), hint="the scoring stage writes 0 for rows it "
+                     "could not score; re-score the file with grpo score")  # fmt: skip
