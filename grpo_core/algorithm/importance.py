@@ -168,6 +168,27 @@ def effective_sample_share(w: Tensor) -> float:
     return float(w.sum()) ** 2 / (w.numel() * sq) if sq > 0 else 0.0
 
 
+def ess_parts(w: Tensor, mask: Tensor) -> Tensor:
+    """``[sum w, sum w^2, n]`` (float64) of the counted weights: the tokens of ``mask``, or
+    for sequence weights (``w`` ``[B, 1]``) the rows with a counted token. Summed over
+    data-parallel ranks they give the whole batch's :func:`effective_sample_share`."""
+    on = mask.bool()  # [B, T]
+    sequence_level = w.shape[-1] == 1 and on.shape[-1] != 1
+    counted = w[on.any(-1)].flatten() if sequence_level else w[on]  # [B'] or [M]
+    counted = counted.double()
+    return torch.stack(
+        [counted.sum(), (counted * counted).sum(), counted.new_tensor(counted.numel())]
+    )
+
+
+def ess_of_parts(parts: Tensor) -> float:
+    """:func:`effective_sample_share` from :func:`ess_parts` (summed over ranks)."""
+    total, sq, n = (float(x) for x in parts)
+    if n == 0:
+        return 1.0
+    return total**2 / (n * sq) if sq > 0 else 0.0
+
+
 def _spread(prefix: str, w: Tensor) -> dict[str, float]:
     """How the weights spread: ESS share and the share of near-zero weights."""
     near = (w < NEAR_ZERO).float().mean().item() if w.numel() else 0.0

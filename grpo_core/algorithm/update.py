@@ -37,6 +37,7 @@ from torch import Tensor
 from grpo_core.algorithm.importance import (
     behaviour_weights,
     engine_importance_weights,
+    ess_parts,
     needs_old_logprobs,
 )
 from grpo_core.algorithm.losses import micro_batch_counts, step_normalisers
@@ -121,7 +122,8 @@ def grpo_update(
     ):  # FSDP2: as many sharded forwards as the busiest rank (grpo_core/training/fsdp.py)
         dp.pad_to(model, nograd_target, grad=False)
     if _weighs_rows(cfg):
-        is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()))
+        ess = ess_parts(fixed.is_weights, batch.completion_mask) if is_metrics else None
+        is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()), ess)
     run = _Run(model, optimizer, scheduler, cfg, precision, dp, batch, slices, fixed, norms)
     history = _passes(run, accumulation, loss_targets, is_metrics, on_step)
     model.eval()

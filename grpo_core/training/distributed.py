@@ -198,9 +198,18 @@ class DataParallel(LocalParallel):
             merged.append(out)
         return combine(merged)
 
-    def importance_metrics(self, metrics: dict, tokens: float) -> dict:
-        """``engine_importance_weights``' metrics over every rank: min of mins, max of maxes,
-        token-weighted means (sequence-level means are weighted by tokens too: approximate)."""
+    def importance_metrics(self, metrics: dict, tokens: float, ess=None) -> dict:
+        """``engine_importance_weights``' and ``behaviour_weights``' metrics over every rank:
+        min of mins, max of maxes, token-weighted means (sequence-level means are weighted by
+        tokens too: approximate), and the ESS of the whole batch from every rank's ``ess``
+        (``grpo_core.algorithm.importance.ess_parts``: sums, not a mean of the ranks' ESS)."""
+        from grpo_core.algorithm.importance import ess_of_parts
+
+        whole = None
+        if ess is not None:
+            parts = ess.detach().to(self.device, torch.float64).clone()
+            dist.all_reduce(parts, group=self.group)
+            whole = ess_of_parts(parts.cpu())
         ranks = [(m, t) for m, t in self.gather((metrics, tokens)) if m]
         if not ranks:
             return {}
@@ -211,6 +220,8 @@ class DataParallel(LocalParallel):
                 out[key] = min(v for v, _ in values)
             elif key.endswith("/max"):
                 out[key] = max(v for v, _ in values)
+            elif key.endswith("/ess") and whole is not None:
+                out[key] = whole
             else:
                 weight = sum(t for _, t in values) or 1.0
                 out[key] = sum(v * t for v, t in values) / weight

@@ -43,7 +43,7 @@ class LocalParallel:
     def all_reduce_counts(self, tokens: Tensor, rows: list[int]) -> tuple[Tensor, list[int]]:
         return tokens, rows
 
-    def importance_metrics(self, metrics: dict, tokens: float) -> dict:
+    def importance_metrics(self, metrics: dict, tokens: float, ess=None) -> dict:
         return metrics
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:

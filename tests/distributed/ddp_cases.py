@@ -297,3 +297,28 @@ def run_bf16_sharded(data_parallel, checkpoint: str, out_dir: str) -> None:
 
     dp = ShardedDataParallel(data_parallel.group, param_dtype="bfloat16")
     torch.save(bf16_update(checkpoint, dp), f"{out_dir}/bf16-rank{dp.rank}.pt")
+
+
+def ess_over_ranks(data_parallel, out_dir: str) -> None:
+    """Rank r holds half of a batch's behaviour weights (rank 0 all equal, rank 1 spread):
+    each rank writes the ESS ``importance_metrics`` reports."""
+    import json
+    from pathlib import Path
+
+    from grpo_core.algorithm.importance import behaviour_weights, ess_parts
+
+    gen = torch.Generator().manual_seed(data_parallel.rank)
+    prox = torch.zeros(4, 6, dtype=torch.float64)
+    samp = prox - (0.0 if data_parallel.rank == 0 else 3 * torch.rand(4, 6, generator=gen))
+    mask = torch.ones(4, 6)
+    w, metrics = behaviour_weights(prox, samp, mask, mode="token_truncate", cap=50.0)
+    out = data_parallel.importance_metrics(metrics, float(mask.sum()), ess_parts(w, mask))
+    Path(out_dir, f"rank{data_parallel.rank}.json").write_text(
+        json.dumps(
+            {
+                "ess": out["sampling/behaviour_weight/ess"],
+                "local": metrics,
+                "w": w.flatten().tolist(),
+            }
+        )  # fmt: skip
+    )

@@ -66,3 +66,21 @@ def test_process_group_names_the_missing_launcher_variables(monkeypatch):
         monkeypatch.delenv(k, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"), process_group("gloo"):
         pass
+
+
+def test_the_ess_over_ranks_is_the_whole_batchs_not_a_mean(tmp_path):
+    """Two ranks, one with equal weights (ESS 1.0) and one with spread ones: the logged ESS
+    is Kish's over all tokens of the batch, not the mean of the ranks' values."""
+    import json
+
+    from ddp_cases import ess_over_ranks
+
+    from grpo_core.algorithm.importance import effective_sample_share
+    from grpo_core.training.distributed import spawn
+
+    spawn(ess_over_ranks, 2, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    whole = effective_sample_share(torch.tensor(ranks[0]["w"] + ranks[1]["w"]))
+    mean = sum(r["local"]["sampling/behaviour_weight/ess"] for r in ranks) / 2
+    assert ranks[0]["ess"] == ranks[1]["ess"] == pytest.approx(whole, rel=1e-9)
+    assert abs(whole - mean) > 0.05  # what the old mean would have logged differs
