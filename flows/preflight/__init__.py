@@ -32,10 +32,13 @@ What is checked:
 - a Prefect server in ``PREFECT_API_URL`` that asks for a password gets the right one
   (``PREFECT_API_AUTH_STRING``)
 - output folders (``output_dir``, the run folder, ``--out``) are writable and have space
+- the rollout's engine and environment (``tools``): vLLM importable for ``engine: vllm``;
+  ``rollout.tools`` one known tool or importable ``module:function``, ``max_turns`` >= 2,
+  distinct markers that are in the model's vocabulary, a tool memory cap the machine has
 
 Layout: this module holds the entry points; the checks live in ``rewards``, ``data``
-(data files, Parquet schemas, token ids), ``checkpoints`` and ``outputs`` (tracking store,
-output folders), and are re-exported here.
+(data files, Parquet schemas, token ids), ``checkpoints``, ``outputs`` (tracking store,
+output folders) and ``tools`` (engine, environment), and are re-exported here.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from flows.preflight.rewards import (
     eval_rewards,
     load_reward,
 )
+from flows.preflight.tools import check_engine, check_tools
 from grpo_core.errors import UserError
 
 __all__ = [
@@ -83,6 +87,8 @@ __all__ = [
     "check_prefect_api",
     "check_tracking",
     "check_writable_dir",
+    "check_engine",
+    "check_tools",
     "eval_rewards",
     "load_reward",
     "probe_server",
@@ -124,9 +130,20 @@ def check_run(cfg) -> None:
         if (base / "config.json").exists():
             check_checkpoint(base, "the demo's base model", fix=f"delete {base} to rebuild it")
     check_context(cfg, prompts)
+    check_engine(cfg)
+    check_tools(cfg)
     check_batch_fits(cfg)
     check_tracking(cfg.tracking.uri)
     check_prefect_api()
+
+
+def _tokenizer_of(checkpoint):
+    def load():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+
+    return load
 
 
 def check_stage(command: str, args, cfg) -> None:
@@ -138,6 +155,10 @@ def check_stage(command: str, args, cfg) -> None:
     cap = cfg.data.max_prompt_chars
     files = cfg.data.source == "files"
     out = getattr(args, "out", None)
+    if command in ("rollout", "eval"):  # they sample: the engine and the environment
+        check_engine(cfg)
+        check_tools(cfg, tokenizer=_tokenizer_of(args.policy if command == "rollout" else
+                                                 args.checkpoint))  # fmt: skip
     if command == "rollout":
         check_checkpoint(args.policy, "--policy")
         if args.iteration < 0:

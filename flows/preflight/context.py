@@ -33,7 +33,7 @@ def _model(cfg):
     def demo_tokenizer():  # imports transformers: only when there are data files to check
         from grpo_core.demo.model import build_tokenizer
 
-        return build_tokenizer()
+        return build_tokenizer(cfg.model.demo.vocabulary)
 
     return DEMO_CONTEXT, demo_tokenizer
 

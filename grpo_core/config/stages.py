@@ -150,8 +150,15 @@ class RolloutConfig(Section):
     tool_call_end: str = Field(CALL_END, min_length=1, description="ends a turn that calls")
     tool_result_start: str = Field(RESULT_START)
     tool_result_end: str = Field(RESULT_END)
-    tool_timeout_s: float = Field(5.0, gt=0, description="one tool call's wall clock")
-    tool_memory_mb: int = Field(512, ge=64, description="one tool call's address space")
+    tool_timeout_s: float = Field(
+        5.0, ge=0.1, le=3600, description="one tool call's wall clock (0.1 s to an hour)"
+    )
+    tool_memory_mb: int = Field(
+        512,
+        ge=64,
+        le=1 << 22,
+        description="one tool call's address space (preflight: at most the machine's memory)",
+    )
     tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
     tool_truncation_mark: str = Field(
         TRUNCATION_MARK,

@@ -6,6 +6,7 @@ is found within 15 s."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -157,6 +158,7 @@ def inputs(tmp_path_factory, tiny_checkpoint):
 
 
 FILES = ["--set", "data.source=files"]
+TOOLS = str(ROOT / "configs" / "demo-tools.yaml")
 
 
 def _files(p, sft="sft", rl="rl", ev="eval"):
@@ -376,6 +378,31 @@ CASES = [
         "update_no_advantage",
         lambda p: ["update", "--scored", p["scored_no_adv"], "--policy", p["ckpt"]],
         ["--scored", "advantage"],
+    ),
+    # the tool demo's environment settings (rollout.tools and its knobs)
+    *[
+        (f"tools_{name}", lambda p, o=override: ["run", "--config", TOOLS, "--set", o], expected)
+        for name, override, expected in [
+            ("typo", "rollout.tools=[pyhton]", ["rollout.tools", "'pyhton'"]),
+            ("twice", "rollout.tools=[python, python]", ["rollout.tools", "one environment"]),
+            ("no_file", "rollout.tools=[nope.py:make_env]", ["rollout.tools", "nope.py"]),
+            ("no_module", "rollout.tools=[no_such_mod:make_env]", ["environment", "no_such_mod"]),
+            ("huge_timeout", "rollout.tool_timeout_s=1e30", ["rollout.tool_timeout_s"]),
+            ("tiny_timeout", "rollout.tool_timeout_s=1e-9", ["rollout.tool_timeout_s"]),
+            ("huge_memory", "rollout.tool_memory_mb=1000000000000000", ["tool_memory_mb"]),
+            ("over_ram", "rollout.tool_memory_mb=4000000", ["tool_memory_mb", "MiB"]),
+            ("no_markers", "model.demo.vocabulary=addition", ["rollout.tool_call_start"]),
+            ("unknown_marker", "rollout.tool_call_end=</call>", ["'</call>'", "vocabulary"]),
+            ("same_markers", "rollout.tool_call_end=<tool_call>", ["tool_call_end"]),
+            ("one_turn", "rollout.max_turns=1", ["rollout.max_turns=1"]),
+            ("sft_mask", "sft.mask_spans=[[a, b]]", ["sft.mask_spans", "tool's output"]),
+            ("empty_marker", 'sft.mask_spans=[["", "b"]]', ["sft.mask_spans", "non-empty"]),
+        ]
+    ],
+    *(  # where vLLM is installed (.ci/vllm.sh's venv) the run would start
+        [("vllm_missing", lambda p: ["run", "--set", "rollout.engine=vllm"], ["vllm"])]
+        if importlib.util.find_spec("vllm") is None
+        else []
     ),
     (
         "eval_no_answer",

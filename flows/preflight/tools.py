@@ -1,0 +1,134 @@
+"""Pre-flight checks of the rollout's engine and environment (``rollout.tools``): what would
+otherwise fail after the cold start, or run to the end without a single tool call.
+
+- ``rollout.engine: vllm`` has vLLM importable where this machine samples;
+- ``rollout.tools`` names one tool, the built-in ``python`` (with a working sandbox) or an
+  importable ``module:function`` environment factory;
+- an episode can call it: ``max_turns`` of 2 or more, call and result markers that differ,
+  and each marker is in the model's vocabulary (it encodes and decodes back to itself,
+  with no unknown token: a demo model built without the tool vocabulary has none of them);
+- a call can run: ``tool_memory_mb`` within this machine's memory (``tool_timeout_s`` is
+  bounded by the config itself).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from flows.preflight._util import first_line
+from grpo_core.errors import UserError
+
+MARKERS = ("tool_call_start", "tool_call_end", "tool_result_start", "tool_result_end")
+
+
+def check_engine(cfg) -> None:
+    """vLLM is importable where this machine samples (a local run, or a local Ray)."""
+    if cfg.rollout.engine != "vllm" or cfg.cluster.address:
+        return
+    if importlib.util.find_spec("vllm") is None:
+        from grpo_core.engines.vllm_engine import INSTALL_HINT
+
+        raise UserError(f"rollout.engine: vllm is not installed here; {INSTALL_HINT}")
+
+
+def check_tools(cfg, tokenizer=None) -> None:
+    """``rollout.tools`` and its settings (``tokenizer``: a loader of the model's tokenizer,
+    for the markers; None: the run's model's)."""
+    r = cfg.rollout
+    if not r.tools:
+        return
+    if len(r.tools) != 1:
+        raise UserError(
+            f"rollout.tools: {r.tools}: give one environment, 'python' or 'module:function' "
+            "(one environment may offer several functions)"
+        )
+    (name,) = r.tools
+    if name == "python":
+        _check_sandbox(cfg)
+    elif ":" in name:
+        _load_environment(name)
+    else:
+        raise UserError(
+            f"rollout.tools: {name!r} is not a tool: give 'python' (the built-in code tool) or "
+            "your environment as 'module:function' or 'path/to/file.py:function'"
+        )
+    if r.max_turns < 2:
+        raise UserError(
+            f"rollout.max_turns={r.max_turns} with rollout.tools: an episode has one model turn, "
+            "so no tool call could ever run; give 2 or more"
+        )
+    for a, b in (("tool_call_start", "tool_call_end"), ("tool_result_start", "tool_result_end")):
+        if getattr(r, a) == getattr(r, b):
+            raise UserError(
+                f"rollout.{a} and rollout.{b} are both {getattr(r, a)!r}: a span needs two "
+                "different markers"
+            )
+        if not getattr(r, a) or not getattr(r, b):
+            raise UserError(f"rollout.{a} / rollout.{b}: markers must be non-empty")
+    _check_memory(r.tool_memory_mb)
+    _check_vocabulary(cfg, tokenizer)
+
+
+def _check_sandbox(cfg) -> None:
+    from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
+
+    try:
+        detect_isolation(cfg.sandbox.isolation)
+    except SandboxUnavailable as e:
+        raise UserError(f"rollout.tools: python: {' '.join(str(e).split())}") from None
+
+
+def _load_environment(name: str) -> None:
+    from grpo_core.rewards.base import load_user_function
+
+    try:
+        load_user_function(name)
+    except ModuleNotFoundError as e:
+        raise UserError(
+            f"rollout.tools: cannot import module {e.name!r} for environment {name!r}; check "
+            "the spelling, install it, or add its folder to PYTHONPATH"
+        ) from None
+    except SyntaxError as e:
+        raise UserError(
+            f"rollout.tools: {e.filename}, line {e.lineno}: syntax error in environment "
+            f"{name!r} ({e.msg})"
+        ) from None
+    except Exception as e:  # a missing file or attribute, a module that raised on import
+        message = first_line(e).replace("reward function ", "")
+        raise UserError(f"rollout.tools: environment {name!r}: {message}") from None
+
+
+def _check_memory(memory_mb: int) -> None:
+    import psutil
+
+    total = psutil.virtual_memory().total >> 20
+    if memory_mb > total:
+        raise UserError(
+            f"rollout.tool_memory_mb={memory_mb}: more than this machine's {total} MiB, so "
+            "every call would fail to start; give at most that"
+        )
+
+
+def _check_vocabulary(cfg, tokenizer) -> None:
+    if tokenizer is None:
+        from flows.preflight.context import _model
+
+        tokenizer = _model(cfg)[1]
+    if tokenizer is None:
+        return  # check_checkpoint reports an unreadable model
+    tok = tokenizer()
+    unk = getattr(tok, "unk_token_id", None)
+    for field in MARKERS:
+        marker = getattr(cfg.rollout, field)
+        ids = tok(marker, add_special_tokens=False)["input_ids"]
+        back = tok.decode(ids, skip_special_tokens=False)
+        if (unk is not None and unk in ids) or back != marker:
+            pieces = tok.convert_ids_to_tokens(ids)
+            shown = " ".join(pieces[:6]) + (
+                f" ... ({len(pieces)} tokens)" if len(pieces) > 6 else ""
+            )
+            raise UserError(
+                f"rollout.{field}: {marker!r} is not in the model's vocabulary (it tokenises "
+                f"to {shown}), so the model can never write or read it; use markers its "
+                "tokenizer has (a demo model: model.demo.vocabulary: tools)"
+            )
