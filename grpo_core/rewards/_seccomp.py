@@ -10,7 +10,9 @@
 - no tracing or reading of another process: ``ptrace``, ``process_vm_readv``/``writev``;
 - no kernel keyring (``add_key``, ``request_key``, ``keyctl``): the sandbox would share the
   scorer's session keyring; no ``memfd_create`` (memory in anonymous files escapes
-  ``RLIMIT_AS``); no ``io_uring`` (its own route to files and sockets);
+  ``RLIMIT_AS``); no ``io_uring`` (its own route to files and sockets); no SysV IPC
+  (``shmget``/``shmat``, ``msgget``/``msgsnd``, ``semget``: kernel memory outside
+  ``RLIMIT_AS``);
 - no change of the parent-death signal (``prctl(PR_SET_PDEATHSIG)``), so a candidate process
   always dies with its harness;
 - with ``processes=False``: no new process at all (``fork``, ``vfork``, a ``clone`` without
@@ -47,6 +49,11 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "io_uring_setup": 425,
             "io_uring_enter": 426,
             "io_uring_register": 427,
+            "shmget": 29,
+            "shmat": 30,
+            "semget": 64,
+            "msgget": 68,
+            "msgsnd": 69,
         },
     ),  # fmt: skip
     "aarch64": (
@@ -67,6 +74,11 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "io_uring_setup": 425,
             "io_uring_enter": 426,
             "io_uring_register": 427,
+            "msgget": 186,
+            "msgsnd": 189,
+            "semget": 190,
+            "shmget": 194,
+            "shmat": 196,
         },
     ),  # fmt: skip
 }
@@ -104,6 +116,9 @@ def seccomp_program(machine, processes):
     deny += ["add_key", "request_key", "keyctl"]  # the scorer's session keyring
     deny += ["memfd_create"]  # anonymous files: memory outside RLIMIT_AS
     deny += ["io_uring_setup", "io_uring_enter", "io_uring_register"]
+    # SysV IPC: shared memory segments and message queues live in the kernel, outside
+    # RLIMIT_AS (5 x 300 MiB of shm held past a 512 MiB cap; 32,000 queues, 488 MiB)
+    deny += ["shmget", "shmat", "semget", "msgget", "msgsnd"]
     if not processes:
         deny += [n for n in ("fork", "vfork") if n in nr]
     lines = [

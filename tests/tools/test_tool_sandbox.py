@@ -109,3 +109,34 @@ def test_hashing_is_the_same_on_every_call():
     code = "print(hash('grpo'), list({'a', 'b', 'c', 'd', 'e', 'f', 'g'}))"
     outputs = {tool.run(code).text for _ in range(3)}
     assert len(outputs) == 1
+
+
+SYSV_IPC = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+shm = libc.shmget(0, 300 << 20, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+shm_errno = ctypes.get_errno()
+msg = libc.msgget(0, 0o1000 | 0o600)
+print(shm, shm_errno, msg, ctypes.get_errno())
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "namespaces"])
+def test_sysv_shared_memory_and_queues_are_refused(isolation):
+    """SysV shared memory and message queues are kernel memory outside the call's address-space
+    cap: the sandbox refuses them (EPERM), as a tool call and as a code reward."""
+    import errno
+
+    from grpo_core.rewards.code import code_runs
+
+    try:
+        detect_isolation(isolation)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    obs = PythonTool(ToolSpec(isolation=isolation)).run(SYSV_IPC)
+    assert obs.error is None, obs.text
+    body = obs.text.removeprefix("<tool_response>").removesuffix("</tool_response>")
+    assert body.split() == ["-1", str(errno.EPERM), "-1", str(errno.EPERM)]
+    held = SYSV_IPC + "assert shm >= 0 or msg >= 0\n"
+    (score,) = code_runs([""], [f"```python\n{held}```"], sandbox_isolation=isolation)
+    assert score == 0.0
