@@ -58,6 +58,7 @@ if [ "$LOOPBACK" = 0 ] && [ "${GRPO_EXPOSE_UNAUTHENTICATED:-}" = 1 ] && [ -z "$A
 fi
 
 mkdir -p "$STATE/logs" "$STATE/prefect"
+chmod 700 "$STATE/logs"  # the servers' logs may quote requests: only this user reads them
 STATE="$(cd "$STATE" && pwd)"
 if [ "$LOOPBACK" = 0 ] && [ "${GRPO_EXPOSE_UNAUTHENTICATED:-}" != 1 ] && [ -z "$AUTH" ]; then
     if [ ! -s "$STATE/auth" ]; then  # made once, kept: the servers' stores remember the user
@@ -167,9 +168,15 @@ launch() {  # launch NAME CMD... : new session (pid = process group id), output 
         echo "$1: already running (pid $(cat "$STATE/$1.pid"))"
         return 1
     fi
-    local name="$1"
+    local name="$1" arg shown=()
     shift
-    echo "=== $(date -u +%FT%TZ) starting: $*" >>"$STATE/logs/$name.log"
+    for arg in "$@"; do  # the log names the credentials it was started with, not their values
+        case "$arg" in
+            *AUTH_STRING=* | *PASSWORD=* | *USERNAME=*) shown+=("${arg%%=*}=***") ;;
+            *) shown+=("$arg") ;;
+        esac
+    done
+    (umask 077 && echo "=== $(date -u +%FT%TZ) starting: ${shown[*]}" >>"$STATE/logs/$name.log")
     setsid nohup "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null &
     echo $! >"$STATE/$name.pid"
     return 0

@@ -111,6 +111,12 @@ def test_both_servers_answer_their_api_to_the_password_only(servers):
     assert _status(search, good)[0] == 200
     env_sh = servers["state"] / "env.sh"
     assert stat.S_IMODE(env_sh.stat().st_mode) == 0o600
+    logs = servers["state"] / "logs"
+    password = servers["auth"].split(":", 1)[1]
+    assert stat.S_IMODE(logs.stat().st_mode) == 0o700
+    for log in logs.iterdir():  # the password is in no log, and the logs are this user's only
+        assert password not in log.read_text(errors="replace"), log.name
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600, log.name
     text = env_sh.read_text()
     assert "PREFECT_API_AUTH_STRING=" in text and "MLFLOW_TRACKING_PASSWORD=" in text
 
