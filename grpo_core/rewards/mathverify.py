@@ -1,15 +1,22 @@
 """Optional bridge to Hugging Face ``math-verify`` (LaTeX-aware answer equivalence).
 
-``math-verify`` guards parsing with ``signal.alarm``, which only works in the main thread;
-elsewhere (a thread pool, an async executor) it is called without its timeout. When the
-package is not installed, ``available()`` is False and ``verify`` returns ``None`` so callers
-fall back to string/numeric comparison.
+``math-verify`` guards parsing with a wall-clock ``signal.alarm``: on a busy machine it fired
+and scored a right answer 0 (and once went off later, inside an unrelated ``__del__``), so a
+reward depended on the load and a resumed run could differ. Here it is called without its
+own timeout, under a budget of this process's CPU time instead (:func:`cpu_budget`,
+``ITIMER_PROF``: what the parse itself computes, not how long the machine kept it waiting),
+in the main thread; elsewhere (a thread pool, an async executor) a timer cannot be armed,
+and the input's length bound (``_MAX_CHARS``) is the guard. When the package is not
+installed, ``available()`` is False and ``verify`` returns ``None`` so callers fall back to
+string/numeric comparison.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+import signal
 import threading
 from functools import lru_cache
 from typing import Any
@@ -22,19 +29,47 @@ def _module() -> Any:
         import math_verify
     except ImportError:  # pragma: no cover - exercised only where math-verify is absent
         return None
+    # it warns once that its own timeout is off and the caller must bound the work:
+    # cpu_budget does (its flags, if this version has them, say the warning was shown)
+    for part in ("parser", "grader"):
+        module = getattr(math_verify, part, None)
+        if module is not None and hasattr(module, "TIMEOUT_WARNING_SHOWN"):
+            module.TIMEOUT_WARNING_SHOWN = True
     return math_verify
 
 
-TIMEOUT_S = 5
+CPU_BUDGET_S = 5.0  # CPU seconds of one parse or comparison
 _MAX_CHARS = 2_000  # LaTeX longer than this is not an answer; don't feed it to sympy
+
+
+class OverBudget(Exception):
+    """A parse or comparison used up its CPU budget."""
 
 
 def available() -> bool:
     return importlib.util.find_spec("math_verify") is not None
 
 
-def _timeout() -> int | None:
-    return TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+@contextlib.contextmanager
+def cpu_budget(seconds: float = CPU_BUDGET_S):
+    """Raise :class:`OverBudget` inside the block once this process has spent ``seconds`` of
+    CPU time in it (``ITIMER_PROF``; main thread only: elsewhere the block runs unguarded).
+    Time the process spends waiting (a loaded machine, a sleep) does not count. The timer
+    and the previous handler are restored on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def over(signum, frame):
+        raise OverBudget(f"over {seconds} s of CPU time")
+
+    previous = signal.signal(signal.SIGPROF, over)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, previous)
 
 
 # Two or more plain words ("the answer is 5"): prose, parse as text, not as one formula.
@@ -52,8 +87,9 @@ def _parse(s: str) -> tuple[Any, ...]:
     attempts = [s, f"${s}$"] if as_text else [f"${s}$", s]
     for attempt in attempts:
         try:
-            out = mv.parse(attempt, parsing_timeout=_timeout())
-        except Exception:  # math-verify raises on pathological input; treat as unparseable
+            with cpu_budget():
+                out = mv.parse(attempt, parsing_timeout=None)
+        except Exception:  # pathological input (or over budget): treat as unparseable
             out = []
         if out:
             return tuple(out)
@@ -77,6 +113,7 @@ def verify(pred: str, gold: str) -> bool | None:
     if not p:
         return False
     try:
-        return bool(mv.verify(list(g), list(p), timeout_seconds=_timeout()))
+        with cpu_budget():
+            return bool(mv.verify(list(g), list(p), timeout_seconds=None))
     except Exception:
         return False
