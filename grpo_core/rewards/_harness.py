@@ -300,8 +300,11 @@ def _start_candidate(payload, names, emit):
     except CandidateGone:
         first = None
     del payload["program"]
+    if first is not None and type(first) is not dict:  # the program wrote on the reply pipe
+        emit("program", "", False, "the program's first reply is not a message")
+        link.gone, first = "the program wrote on its reply pipe", None
     if first is not None:
-        emit("program", "", first.get("ok") is True, first.get("error") or "")
+        emit("program", "", first.get("ok") is True, str(first.get("error") or ""))
     return link, first
 
 

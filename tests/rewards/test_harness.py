@@ -155,3 +155,17 @@ def test_python_semantics_a_program_cannot_exploit():
     assert (res.passed, res.total) == (0, 1), res
     honest = "def my_sort(xs):\n    return sorted(xs)\n"
     assert run_program(honest, kind="asserts", tests=sorts, limits=FAST).passed == 1
+
+
+@pytest.mark.parametrize("reply", ["[1]", "42", '"ok"', "null"])
+def test_a_first_reply_that_is_not_a_message_gives_no_credit_and_no_traceback(reply, capfd):
+    """The program writes a JSON value that is not a dict on the reply pipe before the
+    candidate's own reply: no credit, a plain failure, and no traceback from the harness."""
+    program = (
+        f"import os, sys\nos.write(int(sys.argv[2]), b'{reply}\\n')\n"
+        "def add(a, b):\n    return a + b\n"
+    )
+    res = run_program(program, kind="asserts", tests=["assert add(1, 2) == 3"], limits=FAST)
+    assert res.passed == 0 and not res.program_ok
+    out = capfd.readouterr()
+    assert "Traceback" not in (res.error or "") + res.stderr_tail + out.out + out.err
