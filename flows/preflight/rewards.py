@@ -90,6 +90,15 @@ def check_reward_columns(rows: list[dict], path, field: str, names, setting: str
     from grpo_core import rewards
 
     for name in names:
+        any_of = rewards.spec(name).any_of
+        row = next((i for i, r in enumerate(rows) if not any(c in r for c in any_of)), None)
+        if any_of and row is not None:
+            where = f"{path}, row {row}" if len(rows) > 1 else str(path)
+            raise UserError(
+                f"{field}: {where}: none of the columns {', '.join(map(repr, any_of))}, one of "
+                f"which reward {name!r} reads its tests from; add it to the data or change "
+                f"{setting}"
+            )
         for col in rewards.spec(name).columns:
             row = next((i for i, r in enumerate(rows) if col not in r), None)
             if row is not None:

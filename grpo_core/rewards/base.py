@@ -36,13 +36,17 @@ class RewardSpec:
       for an accuracy-like reward (evaluation's maj@k votes on it, the RL report shows it);
     - ``executes``: it runs the model-written program, so it needs the code sandbox
       (preflight probes it; scoring binds its ``sandbox_<option>`` keywords, the
-      isolation first: ``code.sandboxed``).
+      isolation first: ``code.sandboxed``);
+    - ``any_of``: columns of which the data must have at least one (``code_tests`` reads
+      its tests from ``test``, ``test_list`` or ``tests``: without any, every score would be
+      None and the run would learn nothing).
 
     A ``module:function`` reward is not registered and has the defaults."""
 
     columns: tuple[str, ...] = ()
     extract_answer: Callable[[str], str | None] | None = None
     executes: bool = False
+    any_of: tuple[str, ...] = ()  # the data has at least one of these columns (code tests)
 
 
 REWARDS: Registry[RewardFn] = Registry("reward function", spec=RewardSpec)
@@ -75,12 +79,13 @@ def register(
     columns: tuple[str, ...] = (),
     extract_answer: Callable[[str], str | None] | None = None,
     executes: bool = False,
+    any_of: tuple[str, ...] = (),
 ) -> Callable[[RewardFn], RewardFn]:
     """Decorator registering a reward function under ``name`` (a taken name raises), with
     its declaration (:class:`RewardSpec`: data columns, answer extraction, executes code)."""
     return REWARDS.register(
         name, replace=replace, columns=tuple(columns), extract_answer=extract_answer,
-        executes=executes,
+        executes=executes, any_of=tuple(any_of),
     )  # fmt: skip
 
 

@@ -199,7 +199,7 @@ def sandbox_params(names, isolation: str | None = None) -> dict[str, str]:
     }
 
 
-@register("code_tests", executes=True)
+@register("code_tests", executes=True, any_of=("test", "test_list", "tests"))
 def code_tests(prompts: list, completions: list, **columns: Any) -> list[float | None]:
     """Fraction of the row's asserts the program passes (asserts not reached because of a
     timeout, crash or early exit count as failed), ``None`` for rows without tests."""

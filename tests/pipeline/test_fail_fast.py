@@ -314,6 +314,11 @@ CASES = [
         ["--rollouts", "Parquet"],
     ),
     ("score_columns", lambda p: ["score", "--rollouts", p["rollouts_no_ids"]], ["completion_ids"]),
+    (  # every score would be None: the run would learn nothing, and exited 0
+        "score_code_tests_without_tests",
+        lambda p: ["score", "--rollouts", p["rollouts"], "--set", "rewards={code_tests: 1.0}"],
+        ["--rollouts", "'test', 'test_list', 'tests'", "code_tests"],
+    ),
     (
         "score_overwrite",
         lambda p: ["score", "--rollouts", p["rollouts"], "--out", p["rollouts"]],
