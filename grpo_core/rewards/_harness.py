@@ -220,10 +220,29 @@ def _checker(emit):
     return check
 
 
+def _is_nan(v):
+    return type(v) is float and v != v
+
+
 def _ne(a, b):
     if (a is None) != (b is None):
         return False  # a stub's None is not "anything but 3"
+    if _is_nan(a) or _is_nan(b):
+        return False  # nor is a NaN: it compares unequal to everything, itself included
     return a != b
+
+
+_ORDER = {"Lt": lambda a, b: a < b, "LtE": lambda a, b: a <= b,
+          "Gt": lambda a, b: a > b, "GtE": lambda a, b: a >= b}  # fmt: skip
+
+
+def _order(op, a, b):
+    """``a <op> b`` under ``assert not``: None (no credit: ``_not`` passes only False) when
+    an operand is NaN, whose every ordering is False: ``not (f() > 3)`` and ``not (f() < 3)``
+    would both pass for a program that returns NaN."""
+    if _is_nan(a) or _is_nan(b):
+        return None
+    return _ORDER[op](a, b)
 
 
 def _not(value):
@@ -311,7 +330,8 @@ def _start_candidate(payload, names, emit):
 def _tests_namespace(link, names, first, emit):
     """The tests' globals: the helpers the rewritten asserts call, and each name the tests
     take from the program as a :class:`Remote`, a plain value or a :class:`Refused`."""
-    helpers = {"_grpo_check": _checker(emit), "_grpo_ne": _ne, "_grpo_not": _not}
+    helpers = {"_grpo_check": _checker(emit), "_grpo_ne": _ne, "_grpo_not": _not,
+               "_grpo_order": _order}  # fmt: skip
     tns = {"__name__": "__tests__", "__builtins__": builtins, **helpers}
     described = first.get("names") if first is not None else None
     for name in names:
@@ -379,7 +399,8 @@ def _setup_failed(why):
 
 class _Rewrite(ast.NodeTransformer):
     """``assert X`` -> ``_grpo_check(id, lambda: X')`` where X' has ``a != b`` ->
-    ``_grpo_ne(a, b)`` and, at the top, ``not Y`` -> ``_grpo_not(Y)``. Ids: the prefix and the
+    ``_grpo_ne(a, b)`` and, at the top, ``not Y`` -> ``_grpo_not(Y)`` (``Y`` one ordering
+    comparison: ``_grpo_not(_grpo_order(op, a, b))``). Ids: the prefix and the
     assert's index in visiting order (depth-first, source order), as ``credit.py`` counts."""
 
     def __init__(self, prefix):
@@ -390,6 +411,7 @@ class _Rewrite(ast.NodeTransformer):
         negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
         test = _NeRewrite().visit(test.operand if negated else test)
         if negated:
+            test = _ordered(test)
             test = ast.Call(ast.Name("_grpo_not", ast.Load()), [test], [])
         ident = self.prefix + str(self.count)
         self.count += 1
@@ -408,6 +430,17 @@ class _NeRewrite(ast.NodeTransformer):
             return node
         call = ast.Call(ast.Name("_grpo_ne", ast.Load()), [node.left, node.comparators[0]], [])
         return ast.copy_location(call, node)
+
+
+def _ordered(node):
+    """``a < b`` (one ordering operator) -> ``_grpo_order("Lt", a, b)``: see :func:`_order`."""
+    if not isinstance(node, ast.Compare) or len(node.ops) != 1:
+        return node
+    op = type(node.ops[0]).__name__
+    if op not in _ORDER:
+        return node
+    args = [ast.Constant(op), node.left, node.comparators[0]]
+    return ast.copy_location(ast.Call(ast.Name("_grpo_order", ast.Load()), args, []), node)
 
 
 def _no_args():

@@ -169,3 +169,17 @@ def test_a_first_reply_that_is_not_a_message_gives_no_credit_and_no_traceback(re
     assert res.passed == 0 and not res.program_ok
     out = capfd.readouterr()
     assert "Traceback" not in (res.error or "") + res.stderr_tail + out.out + out.err
+
+
+def test_a_nan_answer_satisfies_no_negated_comparison():
+    """A NaN compares False with everything: ``not (f() > 3)`` and ``not (f() < 3)`` (a test
+    of "exactly 3" written with orderings) both held for a program returning NaN, 1.0 for a
+    wrong answer. A NaN now gets no credit from a negated ordering or from ``!=``; the
+    positive forms fail on NaN as they always did, and a real 3 still passes."""
+    tests = ["assert not (f(1, 2) > 3)", "assert not (f(1, 2) < 3)", "assert f(1, 2) != 4"]
+    nan = run_program("def f(a, b):\n    return float('nan')\n", kind="asserts", tests=tests,
+                      limits=FAST)  # fmt: skip
+    assert (nan.passed, nan.total) == (0, 3)
+    three = run_program("def f(a, b):\n    return a + b\n", kind="asserts", tests=tests,
+                        limits=FAST)  # fmt: skip
+    assert (three.passed, three.total) == (3, 3)
