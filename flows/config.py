@@ -232,7 +232,7 @@ class PipelineConfig(Section):
         start's, and every rejection-sampled episode's): it is context, never a target. An
         empty ``mask_spans`` becomes the tool's result markers; one that leaves them out is
         refused (the stage would train the model to write what the tool printed)."""
-        if not self.rollout.tools:
+        if not self.rollout.environment:
             return cfg
         span = (self.rollout.tool_result_start, self.rollout.tool_result_end)
         if not cfg.mask_spans:

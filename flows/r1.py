@@ -86,7 +86,13 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
 
         prefix = cfg.run_name  # Prefect's run names: demo/prepare, demo/rl_1
         data = timed(
-            "prepare", named(prepare, f"{prefix}/prepare"), cfg.data, cfg.model, cfg.seed, ws
+            "prepare",
+            named(prepare, f"{prefix}/prepare"),
+            cfg.data,
+            cfg.model,
+            cfg.seed,
+            ws,
+            cfg.rollout.tool_declarations(),
         )
         run = RecipeRun(cfg, ws, tracking, data)
         for stage in RECIPE:

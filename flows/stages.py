@@ -44,9 +44,10 @@ def _default_data(ctx: RunContext, split: str) -> str:
     if cfg.data.source == "files":
         path = {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
         plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
-        if plain and cfg.data.mapping().identity:
+        if plain and cfg.data.mapping().identity and not cfg.rollout.functions:
             return path  # else: mapped into the workspace, as `grpo run` does
-    return prepare.fn(cfg.data, cfg.model, cfg.seed, ctx.workspace)[split]
+    tools = cfg.rollout.tool_declarations()
+    return prepare.fn(cfg.data, cfg.model, cfg.seed, ctx.workspace, tools)[split]
 
 
 @flow(name="stage-rollout")

@@ -76,6 +76,13 @@ def user_code(names) -> dict[str, str]:
     return out
 
 
+def tool_code(tools: dict | None) -> tuple:
+    """The user code of an environment's settings (a ``ToolSpec`` dict): its environment
+    and function tools, by name (:func:`user_code`)."""
+    tools = tools or {}
+    return (*(tools.get("tools") or ()), *(tools.get("functions") or ()))
+
+
 def _source_file(module: str) -> Path | None:
     import importlib.util
 

@@ -15,7 +15,7 @@ from grpo_core.config.stages import EvalConfig
 from grpo_core.contracts.io import atomic_path, write_parquet
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.engines.turns import SampleRequest
-from tasks.cache import cached, lookup, stage_key
+from tasks.cache import cached, lookup, stage_key, tool_code
 from tasks.policies import memo as policy_memo
 from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE, policy_for
@@ -44,7 +44,7 @@ def evaluate_checkpoint(
     settings = {**cfg.model_dump(), "engine": engine["name"]}
     if engine.get("tools"):  # the environment the policy acts in
         settings["tools"] = engine["tools"]
-    code = (cfg.accuracy_reward, cfg.format_reward, *(settings.get("tools") or {}).get("tools", ()))
+    code = (cfg.accuracy_reward, cfg.format_reward, *tool_code(settings.get("tools")))
     key = stage_key("eval", settings, [checkpoint, eval_path], code=code)
 
     def compute() -> EvalOutcome:

@@ -40,9 +40,22 @@ def generated_splits(data: DataConfig, seed: int):
     return word_problem_splits(seed, **data.word_problems.model_dump())
 
 
+def _declared(rows: list[dict], tools: str | None) -> list[dict]:
+    """``rows`` with the ``tools`` column where they have none (``tools`` None: as they are)."""
+    if not tools:
+        return rows
+    return [r if r.get("tools") else {**r, "tools": tools} for r in rows]
+
+
 @task(name="prepare", cache_policy=NO_CACHE)
-def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> dict[str, str]:
+def prepare(
+    data: DataConfig, model: ModelConfig, seed: int, ws: Workspace, tools: str | None = None
+) -> dict[str, str]:
     """Returns paths: ``base`` checkpoint and ``sft``/``rl``/``dev``/``eval`` data.
+
+    ``tools``: the function tools' JSON schemas (``rollout.functions``, as JSON): every row
+    without a ``tools`` column of its own gets it, so the chat template declares them
+    (grpo_core/contracts/text.py); the files are then written to ``data/``.
 
     Generated data is written to the run's ``data/`` folder. A user's JSONL, JSON or Parquet
     file is used where it is when it already has the pipeline's columns; mapped rows (a column
@@ -57,7 +70,7 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
             rows = getattr(splits, name)
             if rows:
                 rows = mapping.apply(rows, f"{data.source} {name} split", sft=name == "sft")
-                out[name] = str(write_jsonl(rows, ws.data(name)))
+                out[name] = str(write_jsonl(_declared(rows, tools), ws.data(name)))
         log.info(
             "%s data: %s",
             data.source,
@@ -80,10 +93,10 @@ def prepare(data: DataConfig, model: ModelConfig, seed: int, ws: Workspace) -> d
                 mapping=mapping,
             )
             as_is = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
-            if mapping.identity and as_is:
+            if mapping.identity and as_is and not tools:
                 out[name] = str(Path(path).resolve())
             else:  # mapped rows, or a datasets folder / CSV: one JSONL file the stages hash
-                out[name] = str(write_jsonl(rows, ws.data(name)))
+                out[name] = str(write_jsonl(_declared(rows, tools), ws.data(name)))
     if model.source == "demo":
         base = ws.checkpoint("base")
         pull(base)  # another machine's run of this workspace made it already

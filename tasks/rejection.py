@@ -26,7 +26,7 @@ from grpo_core.contracts.prompts import load_rows
 from grpo_core.contracts.rollouts import read_scored
 from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import policy_id
-from tasks.cache import cached, stage_key
+from tasks.cache import cached, stage_key, tool_code
 from tasks.results import RejectionOutcome
 from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
 from tasks.run_log import logger
@@ -71,7 +71,7 @@ def rejection_sampling(
     ) as run_id:
         tracking.log_params(run_id, {**cfg.model_dump(), "rewards": weights})
         inputs = [checkpoint, rl_path] + ([cold_start_data] if cold_start_data else [])
-        code = (*weights, *(settings.get("tools") or {}).get("tools", ()))
+        code = (*weights, *tool_code(settings.get("tools")))
         key = stage_key("rejection_sampling", settings, inputs, code=code)
         files = SamplingDir(Path(stage_dir))
         sft_path = str(files.sft_data)

@@ -20,10 +20,10 @@ from grpo_core.config.stages import RLConfig
 from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.contracts.rollouts import rollout_table
-from grpo_core.contracts.text import encode_prompt
+from grpo_core.contracts.text import row_prompt_ids
 from grpo_core.engines.context import check_prompt_lengths, model_context
 from grpo_core.engines.turns import SampleRequest
-from tasks.cache import cached, stage_key
+from tasks.cache import cached, stage_key, tool_code
 from tasks.policies import memo as policy_memo
 from tasks.results import RolloutOutcome
 from tasks.run_log import logger, timer
@@ -101,7 +101,7 @@ def write_rollouts(
         request = dataclasses.replace(request, rows=tuple(rows))
     held = executor.held_policy(policy_memo.policy_id(policy_path))
     w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
-    prompt_ids = [encode_prompt(w.tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [row_prompt_ids(w.tokenizer, r) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
         field="max_completion_length", source=desc,
@@ -243,8 +243,8 @@ def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engi
         params["rollout_shards"] = shards
     if engine.get("tools"):  # the environment's settings (rollout.tools and its knobs)
         params["tools"] = engine["tools"]
-    tools = (engine.get("tools") or {}).get("tools") or ()
-    return stage_key("rollout", params, [policy_path, rl_path], code=tuple(tools))
+    code = tool_code(engine.get("tools"))
+    return stage_key("rollout", params, [policy_path, rl_path], code=code)
 
 
 def _rollout(

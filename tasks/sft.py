@@ -20,7 +20,7 @@ from cluster import process, storage
 from grpo_core.config.stages import SFTConfig
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.training.checkpoint import save_checkpoint
-from tasks.cache import cached, stage_key
+from tasks.cache import cached, stage_key, tool_code
 from tasks.policies import memo as policy_memo
 from tasks.results import SFTOutcome
 from tasks.run_log import logger, pull, timer
@@ -208,8 +208,8 @@ def sft_stage(
         inputs = [init_checkpoint, data_path] + (
             [dev_path] if dev_path and cfg.target_accuracy is not None else []
         )
-        code = (tools or {}).get("tools", ()) if cfg.target_accuracy is not None else ()
-        key = stage_key("sft", settings, inputs, code=tuple(code))
+        code = tool_code(tools) if cfg.target_accuracy is not None else ()
+        key = stage_key("sft", settings, inputs, code=code)
 
         log_step, log_restored = _step_loggers(tracking, run_id)
         out = cached(

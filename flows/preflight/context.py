@@ -54,9 +54,10 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
         check_completion_length(n, context, field)
     if not data:
         return
-    from grpo_core.contracts.text import encode_prompt
+    from grpo_core.contracts.text import row_prompt_ids
 
     tok = tokenizer()
+    tools = cfg.rollout.tool_declarations()  # prepare declares them in every row's prompt
     longest = max(lengths["rl.max_completion_length"], lengths["rl_2.max_completion_length"])
     budget = {
         "data.rl_path": ("rl.max_completion_length", longest),
@@ -66,7 +67,7 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
     for field, (path, rows) in data.items():
         setting, n = budget[field]
         try:
-            ids = [encode_prompt(tok, r["prompt"]) for r in rows]
+            ids = [row_prompt_ids(tok, {"tools": tools, **r} if tools else r) for r in rows]
         except Exception as e:  # a chat template that refuses the messages, ...
             raise UserError(f"{field} {path}: the tokenizer cannot encode a prompt: {e}") from None
         check_prompt_lengths(

@@ -35,16 +35,19 @@ def check_tools(cfg, tokenizer=None) -> None:
     """``rollout.tools`` and its settings (``tokenizer``: a loader of the model's tokenizer,
     for the markers; None: the run's model's)."""
     r = cfg.rollout
-    if not r.tools:
+    if not r.environment:
         return
-    if len(r.tools) != 1:
+    if len(r.environment) != 1:
         raise UserError(
             f"rollout.tools: {r.tools}: give one environment, 'python' or 'module:function' "
             "(one environment may offer several functions)"
         )
-    (name,) = r.tools
+    (name,) = r.environment
     if name == "python":
         _check_sandbox(cfg)
+    elif name == "functions":
+        _check_functions(r.functions)
+        _check_template_declares_tools(cfg, tokenizer)
     elif ":" in name:
         _load_environment(name)
     else:
@@ -76,6 +79,51 @@ def _check_sandbox(cfg) -> None:
         detect_isolation(cfg.sandbox.isolation)
     except SandboxUnavailable as e:
         raise UserError(f"rollout.tools: python: {' '.join(str(e).split())}") from None
+
+
+def _check_functions(names) -> None:
+    """Each function tool loads and has a schema (type hints and a docstring)."""
+    if not names:
+        raise UserError("rollout.tools: functions: name the function tools in rollout.functions")
+    from grpo_core.engines.functions import function_schemas
+
+    for name in names:
+        try:
+            function_schemas([name])
+        except Exception as e:  # not found, not importable, no type hints or docstring
+            message = first_line(e).replace("reward function ", "")
+            raise UserError(f"rollout.functions: {name!r}: {message}") from None
+
+
+def _check_template_declares_tools(cfg, tokenizer) -> None:
+    """The chat template renders ``tools``: one that ignores them (SmolLM2's, the demo's)
+    would train a model that never sees its functions."""
+    tok = _tokenizer(cfg, tokenizer)
+    if tok is None:
+        return
+    from grpo_core.contracts.text import prompt_text
+
+    probe = [{"role": "user", "content": "hi"}]
+    schemas = cfg.rollout.tool_declarations()
+    try:
+        declared = prompt_text(tok, probe, schemas) != prompt_text(tok, probe)
+    except Exception as e:  # a template that refuses the messages or the tools
+        raise UserError(f"rollout.functions: the chat template cannot declare tools: {e}") from None
+    if not declared:
+        raise UserError(
+            "rollout.functions: the model's chat template ignores tools, so the model would "
+            "never see its functions; give the tokenizer a template with a tools section "
+            "(tokenizer_config.json's chat_template; docs/tools.md shows one)"
+        )
+
+
+def _tokenizer(cfg, tokenizer):
+    """The model's tokenizer (``tokenizer``: its loader), or None when it cannot be read."""
+    if tokenizer is None:
+        from flows.preflight.context import _model
+
+        tokenizer = _model(cfg)[1]
+    return tokenizer() if tokenizer is not None else None
 
 
 def _load_environment(name: str) -> None:
@@ -110,13 +158,9 @@ def _check_memory(memory_mb: int) -> None:
 
 
 def _check_vocabulary(cfg, tokenizer) -> None:
-    if tokenizer is None:
-        from flows.preflight.context import _model
-
-        tokenizer = _model(cfg)[1]
-    if tokenizer is None:
+    tok = _tokenizer(cfg, tokenizer)
+    if tok is None:
         return  # check_checkpoint reports an unreadable model
-    tok = tokenizer()
     unk = getattr(tok, "unk_token_id", None)
     for field in MARKERS:
         marker = getattr(cfg.rollout, field)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from math import comb
 
 from grpo_core import rewards
-from grpo_core.contracts.text import decode_completion, encode_prompt, model_text, prompt_text
+from grpo_core.contracts.text import decode_completion, model_text, row_prompt_ids, row_prompt_text
 from grpo_core.engines.context import check_prompt_lengths, model_context
 from grpo_core.engines.generation import SamplingParams, generate
 
@@ -131,7 +131,7 @@ def _episode(s) -> dict:
 
 def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples):
     """One dict per example and sample (the eval table)."""
-    texts = {i: prompt_text(tokenizer, r["prompt"]) for i, r in enumerate(rows)}
+    texts = {i: row_prompt_text(tokenizer, r) for i, r in enumerate(rows)}
     return [
         {
             "prompt": texts[j // k],
@@ -195,7 +195,7 @@ def evaluate(
     if temperature is None:
         temperature = 0.0 if num_samples == 1 else 1.0
     k = num_samples
-    prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
     check_prompt_lengths(
         prompt_ids, context=_context(model, engine), max_new_tokens=max_new_tokens,
         field="eval.max_completion_length", source=desc,

@@ -70,10 +70,10 @@ def sample(
     """``params.n`` completions of each row's ``prompt`` through the turn loop, as a table
     of the rollout contract (grpo_core/contracts/rollouts.py)."""
     from grpo_core.contracts.rollouts import rollout_table
-    from grpo_core.contracts.text import encode_prompt
+    from grpo_core.contracts.text import row_prompt_ids
     from grpo_core.engines.turns import run_turns
 
-    prompt_ids = [encode_prompt(tokenizer, r["prompt"]) for r in rows]
+    prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
     samples = run_turns(engine, prompt_ids, params, desc=desc, progress=progress)
     return rollout_table(
         rows, prompt_ids, samples, tokenizer, policy_id=policy_id, iteration=iteration

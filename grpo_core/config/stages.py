@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from grpo_core.config.data import DataConfig, DemoDataConfig, WordProblemsConfig
 from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
@@ -160,19 +160,51 @@ class RolloutConfig(Section):
         description="one tool call's address space (preflight: at most the machine's memory)",
     )
     tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+    functions: list[str] = Field(
+        default_factory=list,
+        description="function tools in the chat template's JSON format (docs/tools.md): "
+        "'calculator' or 'module:function' (type hints and a docstring make its schema); the "
+        "rows get a 'tools' column the template declares, and rollout.tools becomes "
+        "['functions']",
+    )
     tool_truncation_mark: str = Field(
         TRUNCATION_MARK,
         description="put before the result end marker where a tool's output was cut to "
         "max_tool_output_tokens (the model and the turns record see it was cut)",
     )
 
+    @model_validator(mode="after")
+    def _functions_are_the_environment(self) -> RolloutConfig:
+        if self.functions and self.tools not in ([], ["functions"]):
+            raise ValueError(
+                f"rollout.functions with rollout.tools {self.tools}: function tools are their "
+                "own environment; leave rollout.tools empty (or ['functions'])"
+            )
+        return self
+
+    @property
+    def environment(self) -> list[str]:
+        """``tools``, or ``['functions']`` when ``functions`` are given."""
+        return ["functions"] if self.functions else list(self.tools)
+
+    def tool_declarations(self) -> str | None:
+        """The ``tools`` column the rows get (the functions' JSON schemas, as JSON), or None."""
+        if not self.functions:
+            return None
+        import json
+
+        from grpo_core.engines.functions import function_schemas
+
+        return json.dumps(function_schemas(self.functions))
+
     def tool_spec(self) -> dict | None:
         """The environment's settings (``grpo_core.engines.environments.ToolSpec`` fields), or
         None without ``tools``."""
-        if not self.tools:
+        if not self.environment:
             return None
         return ToolSpec(
-            tools=tuple(self.tools),
+            tools=tuple(self.environment),
+            functions=tuple(self.functions),
             max_turns=self.max_turns,
             max_tool_output_tokens=self.max_tool_output_tokens,
             call_start=self.tool_call_start,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grpo_core.contracts.text import decode_completion, prompt_text
+from grpo_core.contracts.text import decode_completion, row_prompt_text
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample
@@ -95,7 +95,7 @@ def rollout_table(
     records = []
     # once per prompt, not once per completion (the chat template is rendered in Python)
     hashes = {i: prompt_hash(rows[i]["prompt"]) for i in {s.prompt_index for s in samples}}
-    texts = {i: prompt_text(tokenizer, rows[i]["prompt"]) for i in hashes}
+    texts = {i: row_prompt_text(tokenizer, rows[i]) for i in hashes}
     # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
     for s in samples:

@@ -1,11 +1,16 @@
 """Prompt/completion encoding shared by SFT, rollouts and evaluation.
 
 As in TRL: a prompt given as chat messages goes through the tokenizer's chat template
-with the generation prompt appended; a plain-text prompt is tokenised as is.
+with the generation prompt appended; a plain-text prompt is tokenised as is. A row's
+``tools`` column (TRL's convention: a list of JSON schemas, ``{"type": "function",
+"function": {...}}``, or that list as a JSON string) is declared to the model through the
+template (``apply_chat_template(..., tools=...)``): :func:`row_prompt_text`,
+:func:`row_prompt_ids`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -13,18 +18,50 @@ def is_conversational(prompt: Any) -> bool:
     return isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt)
 
 
-def prompt_text(tokenizer, prompt: Any) -> str:
+def tool_schemas(tools: Any) -> list[dict] | None:
+    """A ``tools`` value as the list of JSON schemas the chat template takes (a JSON string
+    is parsed); None for none."""
+    if tools is None or tools == "" or tools == []:
+        return None
+    if isinstance(tools, str):
+        tools = json.loads(tools)
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise TypeError(f"tools must be a list of JSON schemas (dicts), got {type(tools).__name__}")
+    return tools
+
+
+def prompt_text(tokenizer, prompt: Any, tools: Any = None) -> str:
+    """``prompt`` as the model sees it; ``tools`` (JSON schemas) declared through the chat
+    template (a plain-text prompt has no template to declare them in)."""
+    schemas = tool_schemas(tools)
     if is_conversational(prompt):
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": schemas} if schemas else {}
+        return tokenizer.apply_chat_template(
+            prompt, tokenize=False, add_generation_prompt=True, **extra
+        )
     if isinstance(prompt, str):
+        if schemas:
+            raise ValueError(
+                "tools are declared through the chat template: give the prompt as chat "
+                "messages, not plain text"
+            )
         return prompt
     raise TypeError(
         f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}"
     )
 
 
-def encode_prompt(tokenizer, prompt: Any) -> list[int]:
-    return tokenizer(prompt_text(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+def encode_prompt(tokenizer, prompt: Any, tools: Any = None) -> list[int]:
+    return tokenizer(prompt_text(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
+
+
+def row_prompt_text(tokenizer, row: dict) -> str:
+    """A data row's prompt as the model sees it, with the row's ``tools`` declared."""
+    return prompt_text(tokenizer, row["prompt"], row.get("tools"))
+
+
+def row_prompt_ids(tokenizer, row: dict) -> list[int]:
+    return encode_prompt(tokenizer, row["prompt"], row.get("tools"))
 
 
 def encode_completion(tokenizer, completion: str) -> list[int]:

@@ -50,6 +50,13 @@ class ToolSpec:
     workers: int = 0  # tool calls run at once (0: the machine's cores)
     isolation: str | None = None  # the sandbox's (None: sandbox.isolation / auto)
     truncation_mark: str = TRUNCATION_MARK  # where an observation over its budget was cut
+    # the ``functions`` environment's function tools (grpo_core/engines/functions.py): its
+    # turns end at the end-of-turn token and may hold several JSON calls
+    functions: tuple[str, ...] = ()
+
+    @property
+    def json_calls(self) -> bool:
+        return self.tools == ("functions",)
 
     def as_dict(self) -> dict:
         from dataclasses import asdict
@@ -65,6 +72,9 @@ class Observation:
     text: str
     error: str | None = None
     seconds: float = 0.0
+    # tool messages ({"role": "tool", "name", "content"}) the chat template renders instead
+    # of ``text`` (the ``functions`` environment)
+    messages: list[dict] | None = None
 
 
 @runtime_checkable
@@ -88,12 +98,17 @@ def environment(spec: ToolSpec) -> Environment:
     (name,) = spec.tools if len(spec.tools) == 1 else (None,)
     if name == "python":
         return PythonTool(spec)
+    if name == "functions":
+        from grpo_core.engines.functions import FunctionTools
+
+        return FunctionTools(spec)
     if name is not None and ":" in name:
         from grpo_core.rewards.base import load_user_function
 
         return load_user_function(name)(spec)
     raise ValueError(
-        f"rollout.tools: {list(spec.tools)}: give one tool, 'python' or 'module:function'"
+        f"rollout.tools: {list(spec.tools)}: give one tool, 'python', 'functions' or "
+        "'module:function'"
     )
 
 
@@ -179,4 +194,5 @@ def load_spec(value: Any) -> ToolSpec | None:
         return value
     data = dict(value)
     data["tools"] = tuple(data.get("tools") or ())
+    data["functions"] = tuple(data.get("functions") or ())
     return ToolSpec(**data)

@@ -77,3 +77,46 @@ def call_turn(tok, ids: list[int], call_end: str) -> str | None:
         return None
     head = tok.decode(ids[:-1], skip_special_tokens=False)
     return text[: at + len(call_end)] if at + len(call_end) > len(head) else None
+
+
+_PROBE = "@@grpo-assistant@@"
+
+
+def encode_tool_messages(tok, messages: list[dict], limit: int, mark: list[int]) -> list[int]:
+    """The ids that follow a model turn ended by its end-of-turn token (EOS) when
+    ``messages`` (``tool`` messages) answer it: rendered by the chat template, as TRL builds
+    its tool suffix, the template's markup tokenised as it is and each message's content as
+    data (special tokens split, cut to ``limit`` tokens with the truncation ``mark``).
+
+    The suffix is what the template renders after an assistant message: everything after
+    its end-of-turn token, through the tool messages, to the next assistant turn's
+    generation prompt. A template that does not end an assistant message with the EOS text,
+    or that rewrites earlier messages when tool messages follow, is refused."""
+    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}]
+    slots = [f"@@grpo-tool-{i}@@" for i in range(len(messages))]
+    try:
+        base = tok.apply_chat_template(probe, tokenize=False)
+        full = tok.apply_chat_template(
+            probe + [{**m, "content": s} for m, s in zip(messages, slots, strict=True)],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as exc:
+        raise ValueError(f"the chat template cannot render tool messages: {exc}") from exc
+    eos = tok.eos_token or ""
+    at = base.find(_PROBE) + len(_PROBE)
+    if not eos or not base[at:].startswith(eos):
+        raise ValueError(
+            "the chat template does not end an assistant message with the EOS token "
+            f"{eos!r}: the turn loop cannot tell where the model's turn ends"
+        )
+    if not full.startswith(base[: at + len(eos)]):
+        raise ValueError("the chat template renders earlier messages differently after tool ones")
+    suffix = full[at + len(eos) :]
+    ids: list[int] = []
+    for i, slot in enumerate(slots):
+        head, _, suffix = suffix.partition(slot)
+        ids += _plain(tok, head)
+        body = encode_observation(tok, str(messages[i].get("content", "")), "", "")
+        ids += body if len(body) <= limit else body[: max(0, limit - len(mark))] + mark[:limit]
+    return ids + _plain(tok, suffix)

@@ -42,6 +42,7 @@ from grpo_core.engines.observations import (
     clip_observation,
     encode_mark,
     encode_observation,
+    encode_tool_messages,
 )
 
 if TYPE_CHECKING:
@@ -153,7 +154,10 @@ class _Episodes:
 
     def run(self, prompt_ids: list[list[int]], rows) -> list[Sample]:
         env = environment(self.spec)
-        params = dataclasses.replace(self.params, stop=(*self.params.stop, self.spec.call_end))
+        # JSON calls (the functions environment): a turn ends at the end-of-turn token and
+        # may hold several calls; else the call's end marker ends it
+        extra = () if self.spec.json_calls else (self.spec.call_end,)
+        params = dataclasses.replace(self.params, stop=(*self.params.stop, *extra))
         samples = self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
         episodes = [
             _Episode(prompt_ids[s.prompt_index], s.prompt_index, s.sample_index,
@@ -191,6 +195,8 @@ class _Episodes:
         ep.finish = "length" if cut else s.finish_reason
         if cut or s.finish_reason != "stop" or ep.left <= 0 or turn + 1 >= self.spec.max_turns:
             return None
+        if self.spec.json_calls:  # the environment finds the calls (none: the episode ends)
+            return tok.decode(ids, skip_special_tokens=False) if self.spec.call_end else None
         return call_turn(tok, ids, self.spec.call_end)
 
     def _step(self, call: tuple[_Episode, str]) -> Observation | None:
@@ -219,8 +225,11 @@ class _Episodes:
         for (ep, _), obs in zip(calls, observations, strict=True):
             if obs is None:  # the environment ends the episode
                 continue
-            ids = encode_observation(tok, obs.text, spec.result_start, spec.result_end)
-            ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
+            if obs.messages is not None:  # tool messages, rendered by the chat template
+                ids = encode_tool_messages(tok, obs.messages, spec.max_tool_output_tokens, mark)
+            else:
+                ids = encode_observation(tok, obs.text, spec.result_start, spec.result_end)
+                ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
             take = ids[: ep.left]
             text = tok.decode(take, skip_special_tokens=True)
             ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)

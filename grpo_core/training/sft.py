@@ -22,7 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.config.settings import SFTSettings, settings_or_knobs
-from grpo_core.contracts.text import encode_completion, encode_prompt
+from grpo_core.contracts.text import encode_completion, row_prompt_ids
 from grpo_core.logprobs.model import model_logprobs
 from grpo_core.training.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.training.parallel import LOCAL, LocalParallel
@@ -72,7 +72,7 @@ def encode_examples(
                 completion.mask += [keep] * len(ids)
             completion.append(tokenizer.eos_token_id)
             completion.mask.append(1)
-        out.append((encode_prompt(tokenizer, row["prompt"]), completion))
+        out.append((row_prompt_ids(tokenizer, row), completion))
     return out
 
 

@@ -404,6 +404,14 @@ CASES = [
             ("empty_marker", 'sft.mask_spans=[["", "b"]]', ["sft.mask_spans", "non-empty"]),
         ]
     ],
+    # function tools: the demo's chat template has no tools section; a missing function
+    *[
+        (f"functions_{name}", lambda p, o=override: ["run", "--set", o], expected)
+        for name, override, expected in [
+            ("no_template", "rollout.functions=[calculator]", ["template ignores tools"]),
+            ("missing", "rollout.functions=[nope.py:f]", ["rollout.functions", "nope.py"]),
+        ]
+    ],
     *(  # where vLLM is installed (.ci/vllm.sh's venv) the run would start
         [("vllm_missing", lambda p: ["run", "--set", "rollout.engine=vllm"], ["vllm"])]
         if importlib.util.find_spec("vllm") is None

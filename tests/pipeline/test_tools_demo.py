@@ -108,3 +108,64 @@ def test_an_environment_that_reads_its_row_runs_through_every_eval(
     answers = {str(r["answer"]) for f in tables for r in pq.read_table(f).to_pylist()}
     assert "None" not in started  # every episode got its row
     assert answers <= set(started)  # the evals' episodes among them
+
+
+@pytest.mark.slow
+def test_function_tools_run_through_the_pipeline_with_the_templates_declarations(
+    prefect_harness, tmp_path, tracking_uri
+):
+    """``rollout.functions: [calculator]`` on a model whose chat template has a tools section
+    (a tiny Qwen2 with tests/tools/test_json_tools.py's Hermes-style template): preflight
+    passes, every split's rows get the ``tools`` column, every prompt the model sees declares
+    the calculator, every stage samples in JSON-call mode (no stop string: turns end at
+    end-of-turn), and a rollout file is re-scored from the file alone."""
+    import json
+
+    from flows import preflight
+    from flows.r1 import r1_pipeline
+    from grpo_core.demo.model import build_model
+    from grpo_core.training.checkpoint import save_checkpoint
+    from tests.tools.test_json_tools import chat_tokenizer
+
+    tok = chat_tokenizer()
+    model_dir = save_checkpoint(
+        build_model(tok, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=64, max_position_embeddings=1024),
+        tok, tmp_path / "model")  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
+            "answer": str(a + b),
+            "completion": f'<tool_call>{{"name": "calculator", "arguments": {{"expression": '
+            f'"{a}+{b}"}}}}</tool_call>',
+        }  # fmt: skip
+        for a in range(10, 30)
+        for b in range(3, 6)
+    ]
+    files = {}
+    for split, part in (("sft", rows[:24]), ("rl", rows[24:48]), ("eval", rows[48:56])):
+        files[split] = tmp_path / f"{split}.jsonl"
+        files[split].write_text("".join(json.dumps(r) + "\n" for r in part))
+    overrides = [
+        "model.source=path", f"model.path={model_dir}", "data.source=files",
+        f"data.sft_path={files['sft']}", f"data.rl_path={files['rl']}",
+        f"data.eval_path={files['eval']}", "rollout.functions=[calculator]",
+        "sft.max_steps=4", "sft.batch_size=8", "sft.target_accuracy=null", "rl.iterations=1",
+        "rl.prompts_per_iteration=4", "rl.num_generations=2", "rl.steps_per_generation=1",
+        "rl.max_completion_length=24", "rl.eval_every=1", "rejection_sampling.num_prompts=4",
+        "rejection_sampling.require=[]", "rejection_sampling.max_completion_length=24",
+        "re_sft.max_steps=2", "rl_2={iterations: 1}", "eval.max_completion_length=24",
+        f"output_dir={tmp_path / 'runs'}", f"tracking.uri={tracking_uri}",
+    ]  # fmt: skip
+    cfg = load_config(None, overrides)
+    preflight.check_run(cfg)
+    summary = r1_pipeline(cfg)
+    assert len(summary["stages"]) == 4
+    run = tmp_path / "runs" / cfg.run_name
+    rollouts = pq.read_table(run / "rl_1" / "iter_0000" / "rollouts.parquet").to_pylist()
+    assert all("<tools>" in r["prompt_text"] and "calculator" in r["prompt_text"] for r in rollouts)
+    assert all(json.loads(r["tools"])[0]["function"]["name"] == "calculator" for r in rollouts)
+    assert all("turns" in r for r in rollouts)
+    out = score_file(str(run / "rl_1" / "iter_0000" / "rollouts.parquet"),
+                     str(tmp_path / "rescored.parquet"), {"format": 1.0})  # fmt: skip
+    assert pq.read_table(out.path).num_rows == len(rollouts)
