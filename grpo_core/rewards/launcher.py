@@ -239,9 +239,34 @@ def run_isolated(
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
+        _reap_orphans()
     return read_verdict(
         b"".join(chunks), nonce, counted, timed_out, proc.returncode, wall, tail, limits, payload
     )
+
+
+_ORPHANS = ("bwrap", "setpriv")  # what a sandbox run leaves to the reaper: bwrap's own children
+
+
+def _reap_orphans() -> None:
+    """Where this process is PID 1 (a container's entry point, ``unshare --pid --fork``), the
+    orphans of a sandbox run are reparented to it: bwrap leaves one exited child per call,
+    which nothing else would reap. Reap the zombies among this process's children that are
+    the sandbox's (by name: a zombie a ``Popen`` of ours owns is left to its ``wait``)."""
+    if os.getpid() != 1:
+        return
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+        except OSError:
+            continue
+        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if state == "Z" and ppid == "1" and comm in _ORPHANS:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(int(name), os.WNOHANG)
 
 
 def _open_sandbox_init(info_fd: int, proc: subprocess.Popen, deadline: float) -> int:

@@ -140,3 +140,45 @@ def test_sysv_shared_memory_and_queues_are_refused(isolation):
     held = SYSV_IPC + "assert shm >= 0 or msg >= 0\n"
     (score,) = code_runs([""], [f"```python\n{held}```"], sandbox_isolation=isolation)
     assert score == 0.0
+
+
+ZOMBIES = """
+import os
+from grpo_core.engines.environments import PythonTool, ToolSpec
+tool = PythonTool(ToolSpec(isolation=os.environ["ISO"]))
+for _ in range(5):
+    tool.run("print(1)")
+zombies = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        continue
+    if stat[stat.rfind(")") + 2 :].split()[0] == "Z":
+        zombies.append(stat[stat.find("(") + 1 : stat.rfind(")")])
+print(os.getpid(), len(zombies))
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "namespaces"])
+def test_no_zombie_is_left_under_a_pid_1_that_does_not_reap(isolation):
+    """As a container's entry point (here ``unshare --pid --fork``: the scorer is PID 1 and
+    nothing else reaps), five tool calls leave no zombie (bwrap left one per call)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    try:
+        detect_isolation(isolation)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "ISO": isolation, "PYTHONPATH": root}
+    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
+                           ZOMBIES], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    if proc.returncode != 0 and "unshare" in proc.stderr:
+        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[:200]}")
+    assert proc.stdout.split() == ["1", "0"], proc.stderr[-2000:]
