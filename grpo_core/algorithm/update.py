@@ -122,7 +122,8 @@ def grpo_update(
     ):  # FSDP2: as many sharded forwards as the busiest rank (grpo_core/training/fsdp.py)
         dp.pad_to(model, nograd_target, grad=False)
     if _weighs_rows(cfg):
-        ess = ess_parts(fixed.is_weights, batch.completion_mask) if is_metrics else None
+        weights = fixed.is_weights
+        ess = ess_parts(weights, batch.completion_mask) if weights is not None else None
         is_metrics = dp.importance_metrics(is_metrics, float(batch.completion_mask.sum()), ess)
     run = _Run(model, optimizer, scheduler, cfg, precision, dp, batch, slices, fixed, norms)
     history = _passes(run, accumulation, loss_targets, is_metrics, on_step)

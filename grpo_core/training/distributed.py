@@ -205,11 +205,12 @@ class DataParallel(LocalParallel):
         (``grpo_core.algorithm.importance.ess_parts``: sums, not a mean of the ranks' ESS)."""
         from grpo_core.algorithm.importance import ess_of_parts
 
-        whole = None
+        # a collective every rank runs (a rank without weights adds zeros), before the gather
+        parts = torch.zeros(3, dtype=torch.float64, device=self.device)
         if ess is not None:
-            parts = ess.detach().to(self.device, torch.float64).clone()
-            dist.all_reduce(parts, group=self.group)
-            whole = ess_of_parts(parts.cpu())
+            parts += ess.detach().to(self.device, torch.float64)
+        dist.all_reduce(parts, group=self.group)
+        whole = ess_of_parts(parts.cpu()) if float(parts[2]) > 0 else None
         ranks = [(m, t) for m, t in self.gather((metrics, tokens)) if m]
         if not ranks:
             return {}
