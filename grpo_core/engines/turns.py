@@ -196,7 +196,7 @@ class _Episodes:
         if cut or s.finish_reason != "stop" or ep.left <= 0 or turn + 1 >= self.spec.max_turns:
             return None
         if self.spec.json_calls:  # the environment finds the calls (none: the episode ends)
-            return tok.decode(ids, skip_special_tokens=False) if self.spec.call_end else None
+            return tok.decode(ids, skip_special_tokens=False)
         return call_turn(tok, ids, self.spec.call_end)
 
     def _step(self, call: tuple[_Episode, str]) -> Observation | None:
