@@ -66,15 +66,19 @@ def sample(
     iteration: int = 0,
     desc: str = "rollout",
     progress: bool = True,
+    tools=None,
 ) -> pa.Table:
     """``params.n`` completions of each row's ``prompt`` through the turn loop, as a table
-    of the rollout contract (grpo_core/contracts/rollouts.py)."""
+    of the rollout contract (grpo_core/contracts/rollouts.py). ``tools``: the environment
+    (a ``ToolSpec`` or its fields, ``RolloutConfig.tool_spec()``): tool-using episodes, each
+    started from its row, as the pipeline's rollouts sample them."""
     from grpo_core.contracts.rollouts import rollout_table
     from grpo_core.contracts.text import row_prompt_ids
     from grpo_core.engines.turns import run_turns
 
     prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
-    samples = run_turns(engine, prompt_ids, params, desc=desc, progress=progress)
+    samples = run_turns(engine, prompt_ids, params, desc=desc, progress=progress, tools=tools,
+                        rows=rows)  # fmt: skip
     return rollout_table(
         rows, prompt_ids, samples, tokenizer, policy_id=policy_id, iteration=iteration
     )

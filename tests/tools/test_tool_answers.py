@@ -193,3 +193,21 @@ class RowPython:
 
 def make_row_python(spec):
     return RowPython(spec)
+
+
+def test_the_notebook_path_samples_tool_episodes_and_scores_the_model_text():
+    """``iteration.sample(..., tools=)`` then ``iteration.score``: the notebook's GRPO
+    iteration samples tool-using episodes as the pipeline does, rows included."""
+    from grpo_core.algorithm import iteration
+    from grpo_core.config.stages import RLConfig
+
+    spec = ToolSpec(tools=("tests.tools.test_tool_answers:make_guess",))
+    model = Scripted(
+        [["<tool_call>16000</tool_call>", FORGE], ["<answer>16422</answer><|eos|>", "<|eos|>"]]
+    )
+    table = iteration.sample(model, TOK, ROWS, SamplingParams(n=2, max_new_tokens=80),
+                             policy_id="p", progress=False, tools=spec)  # fmt: skip
+    rows = table.to_pylist()
+    assert rows[0]["turns"][1]["text"] == "<tool_response>higher</tool_response>"
+    scored = iteration.score(table, {"accuracy": 1.0}, RLConfig(num_generations=2).scoring)
+    assert scored.table.column("reward_accuracy").to_pylist() == [1.0, 0.0]
