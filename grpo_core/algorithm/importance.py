@@ -181,8 +181,9 @@ def ess_parts(w: Tensor, mask: Tensor) -> Tensor:
     )
 
 
-def ess_of_parts(parts: Tensor) -> float:
-    """:func:`effective_sample_share` from :func:`ess_parts` (summed over ranks)."""
+def ess_of_parts(parts) -> float:
+    """:func:`effective_sample_share` from :func:`ess_parts` (summed over ranks; a tensor
+    or its list)."""
     total, sq, n = (float(x) for x in parts)
     if n == 0:
         return 1.0

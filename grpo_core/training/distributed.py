@@ -210,7 +210,8 @@ class DataParallel(LocalParallel):
         if ess is not None:
             parts += ess.detach().to(self.device, torch.float64)
         dist.all_reduce(parts, group=self.group)
-        whole = ess_of_parts(parts.cpu()) if float(parts[2]) > 0 else None
+        sums = parts.tolist()  # [sum w, sum w^2, n] of the whole batch
+        whole = ess_of_parts(sums) if sums[2] > 0 else None
         ranks = [(m, t) for m, t in self.gather((metrics, tokens)) if m]
         if not ranks:
             return {}
