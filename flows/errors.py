@@ -26,6 +26,14 @@ EXIT_USER_ERROR = 2
 PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+# what safetensors (SafetensorError), torch.save (RuntimeError) and SQLite (MLflow's store)
+# say about a full disk
+_DISK_FULL_TEXT = (
+    "No space left on device",
+    "os error 28",
+    "Disk quota exceeded",
+    "database or disk is full",
+)
 
 
 def debug() -> bool:
@@ -65,6 +73,14 @@ def user_message(exc: BaseException) -> str | None:
             return one_line(e)
         if isinstance(e, OSError) and (msg := _os_message(e)):
             return msg
+    for e in _chain(exc):  # a full disk reported by a library that is not an OSError
+        text = str(e)
+        if any(sign in text for sign in _DISK_FULL_TEXT):
+            return (
+                f"the disk is full ({one_line(text)[:200]}); free some space (or set "
+                "output_dir / tracking.uri to another disk) and run the same command again: "
+                "finished stages are reused"
+            )
     for e in _chain(exc):
         if "attempt to write a readonly database" in str(e):
             return (

@@ -170,11 +170,36 @@ def save_checkpoint(
     background, grpo_core/training/checkpoint_writer.py). ``expected_id``: the ``policy_id`` those
     weights had in memory; written files that hash otherwise raise, and nothing is moved
     into place."""
+    out_dir = Path(out_dir)
+    try:
+        return _save_checkpoint(model, tokenizer, out_dir, trainer_state, info, state_dict,
+                                expected_id)  # fmt: skip
+    except Exception as exc:  # safetensors and torch.save say "disk full" in their own types
+        if (full := _disk_full(exc, out_dir)) is None:
+            raise
+        raise full from exc
+
+
+def _disk_full(exc: BaseException, out_dir: Path) -> OSError | None:
+    """``exc`` as the ``OSError(ENOSPC)`` naming ``out_dir`` when it says the disk is full
+    (safetensors and ``torch.save`` report it in their own exception types), else None."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return None  # already says so, with its file
+    text = str(exc)
+    if "No space left on device" in text or "os error 28" in text:
+        return OSError(errno.ENOSPC, "No space left on device (the checkpoint is not kept)",
+                       str(out_dir))  # fmt: skip
+    return None
+
+
+def _save_checkpoint(model, tokenizer, out_dir: Path, trainer_state, info, state_dict,
+                     expected_id) -> Path:  # fmt: skip
     import torch
 
     from grpo_core.training import lora
 
-    out_dir = Path(out_dir)
     with atomic_path(out_dir) as tmp:
         weights = savable_state_dict(model) if state_dict is None else state_dict
         if lora.is_peft(model):
