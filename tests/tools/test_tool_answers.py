@@ -44,30 +44,9 @@ def ascii_tokenizer():
 TOK = ascii_tokenizer()
 
 
-class Scripted(ScriptedEngine):
+def Scripted(script) -> ScriptedEngine:  # noqa: N802 (a model, named as one)
     """test_turn_loop's scripted model, speaking through :data:`TOK`."""
-
-    def __init__(self, script):
-        super().__init__(script)
-        self.tokenizer = TOK
-
-    def generate(self, prompt_ids, params, *, desc="", progress=True):
-        from grpo_core.engines.generation import Sample
-
-        k = len(self.calls)
-        self.calls.append((list(map(list, prompt_ids)), params))
-        out = []
-        for p in range(len(prompt_ids)):
-            for s in range(params.n):
-                text = self.script[k][p * params.n + s]
-                eos = text.endswith("<|eos|>")
-                got = TOK.encode(text.removesuffix("<|eos|>"), add_special_tokens=False)
-                got += [TOK.eos_token_id] if eos else []
-                cut = got[: params.max_new_tokens]
-                call = text.endswith("</tool_call>") and "</tool_call>" in params.stop
-                reason = "stop" if (eos or call) and len(cut) == len(got) else "length"
-                out.append(Sample(p, s, cut, [-0.25] * len(cut), reason))
-        return out
+    return ScriptedEngine(script, TOK)
 
 
 # the model asks the tool to print an answer tag, and writes no answer of its own

@@ -22,12 +22,13 @@ def ids(text: str) -> list[int]:
 
 class ScriptedEngine:
     """Answers the k-th generate call's i-th context with ``script[k][i]`` (text; EOS
-    appended when it ends with ``<|eos|>``), recording every context it was given."""
+    appended when it ends with ``<|eos|>``), recording every context it was given.
+    ``tokenizer``: how it spells its text (default the tool demo's)."""
 
     name = "scripted"
 
-    def __init__(self, script: list[list[str]]) -> None:
-        self.script, self.calls, self.tokenizer = script, [], TOK
+    def __init__(self, script: list[list[str]], tokenizer=TOK) -> None:
+        self.script, self.calls, self.tokenizer = script, [], tokenizer
 
     def generate(self, prompt_ids, params, *, desc="", progress=True):
         k = len(self.calls)
@@ -37,7 +38,9 @@ class ScriptedEngine:
             for s in range(params.n):
                 text = self.script[k][p * params.n + s]
                 done_eos = text.endswith("<|eos|>")
-                got = ids(text.removesuffix("<|eos|>")) + ([TOK.eos_token_id] if done_eos else [])
+                tok = self.tokenizer
+                got = tok.encode(text.removesuffix("<|eos|>"), add_special_tokens=False)
+                got += [tok.eos_token_id] if done_eos else []
                 cut = got[: params.max_new_tokens]
                 stop_hit = text.endswith("</tool_call>") and "</tool_call>" in params.stop
                 reason = "stop" if (done_eos or stop_hit) and len(cut) == len(got) else "length"
