@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo_core.rewards.code import run_many  # noqa: E402
-from grpo_core.rewards.sandbox import Limits, detect_isolation  # noqa: E402
+from grpo_core.sandbox import Limits, detect_isolation  # noqa: E402
 
 
 def load_problems(path: str | None) -> list[dict]:

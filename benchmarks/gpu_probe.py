@@ -112,7 +112,7 @@ def reward(completion_ids: list[int]) -> float:
 def our_batch(w: Workload, samples):
     import torch
 
-    from grpo_core.contracts.batch import build_batch
+    from grpo_core.algorithm.batch import build_batch
 
     comp = [s.completion_ids for s in samples]
     r = torch.tensor([reward(c) for c in comp]).view(-1, w.n)

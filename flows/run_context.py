@@ -47,7 +47,7 @@ class RunContext:
             trained_policy=policy_memo.holding,
         )
         if "sandbox" in cfg.model_fields_set:
-            from grpo_core.rewards.isolation import ISOLATION_ENV
+            from grpo_core.sandbox.isolation import ISOLATION_ENV
 
             os.environ[ISOLATION_ENV] = cfg.sandbox.isolation
         if cfg.torch_threads:

@@ -21,6 +21,7 @@ from prefect import flow
 
 from flows.config import load_config
 from flows.run_context import RunContext
+from grpo_core.engines.functions import tool_declarations
 from tasks.evaluate import evaluate_stage
 from tasks.prepare import prepare
 from tasks.rollout import rollout
@@ -46,7 +47,7 @@ def _default_data(ctx: RunContext, split: str) -> str:
         plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
         if plain and cfg.data.mapping().identity and not cfg.rollout.functions:
             return path  # else: mapped into the workspace, as `grpo run` does
-    tools = cfg.rollout.tool_declarations()
+    tools = tool_declarations(cfg.rollout.functions)
     return prepare.fn(cfg.data, cfg.model, cfg.seed, ctx.workspace, tools)[split]
 
 

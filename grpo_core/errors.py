@@ -12,3 +12,9 @@ from __future__ import annotations
 
 class UserError(ValueError):
     """A problem with the user's inputs or settings; the message names the culprit and the fix."""
+
+
+class RewardUnavailable(RuntimeError):
+    """A reward function that must not run here at all (e.g. the code sandbox cannot isolate
+    untrusted programs on this machine). ``score_completions`` lets it through instead of
+    recording it as a per-row error, so the batch stops with the message."""

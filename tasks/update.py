@@ -90,7 +90,7 @@ def update_from_file(
     rank 0 alone writes the checkpoint.
     """
     from grpo_core.algorithm import iteration
-    from grpo_core.contracts.scored_batch import ScoredRows
+    from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.training.parallel import LOCAL
 
     r, rl = request, request.rl

@@ -55,9 +55,10 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
     if not data:
         return
     from grpo_core.contracts.text import row_prompt_ids
+    from grpo_core.engines.functions import tool_declarations
 
     tok = tokenizer()
-    tools = cfg.rollout.tool_declarations()  # prepare declares them in every row's prompt
+    tools = tool_declarations(cfg.rollout.functions)  # prepare declares them in every row's prompt
     longest = max(lengths["rl.max_completion_length"], lengths["rl_2.max_completion_length"])
     budget = {
         "data.rl_path": ("rl.max_completion_length", longest),

@@ -66,7 +66,7 @@ def check_sandbox(names, cfg) -> None:
 
     if not rewards.executing(names):
         return
-    from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
+    from grpo_core.sandbox.isolation import SandboxUnavailable, detect_isolation
 
     sandbox = getattr(cfg, "sandbox", None)
     try:

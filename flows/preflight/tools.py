@@ -73,7 +73,7 @@ def check_tools(cfg, tokenizer=None) -> None:
 
 
 def _check_sandbox(cfg) -> None:
-    from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation
+    from grpo_core.sandbox.isolation import SandboxUnavailable, detect_isolation
 
     try:
         detect_isolation(cfg.sandbox.isolation)
@@ -102,9 +102,10 @@ def _check_template_declares_tools(cfg, tokenizer) -> None:
     if tok is None:
         return
     from grpo_core.contracts.text import prompt_text
+    from grpo_core.engines.functions import tool_declarations
 
     probe = [{"role": "user", "content": "hi"}]
-    schemas = cfg.rollout.tool_declarations()
+    schemas = tool_declarations(cfg.rollout.functions)
     try:
         declared = prompt_text(tok, probe, schemas) != prompt_text(tok, probe)
     except Exception as e:  # a template that refuses the messages or the tools

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from grpo_core.registry import Registry
+from grpo_core.rewards.scoring import weighted_reward_sum
 
 AdvantageFn = Callable[..., Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
@@ -155,17 +156,6 @@ def compute(name: str, rewards: Tensor, group_ids: Tensor, **opts) -> Tensor:
     Unknown names raise ``ValueError`` listing the registered ones.
     """
     return ADVANTAGE_ESTIMATORS.get(name)(rewards, group_ids, **opts)
-
-
-def weighted_reward_sum(rewards_per_func: Tensor, weights: Tensor | None = None) -> Tensor:
-    """TRL's reward: weighted ``nansum`` over reward functions; NaN when all are NaN."""
-    k = rewards_per_func.shape[1]
-    if weights is None:
-        weights = torch.ones(k, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
-    w = weights.to(rewards_per_func.device, rewards_per_func.dtype)  # [K]
-    total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # [N]
-    unscorable = torch.isnan(rewards_per_func).all(dim=1)  # [N]
-    return total.masked_fill(unscorable, float("nan"))
 
 
 def compute_multi(

@@ -181,15 +181,6 @@ def ess_parts(w: Tensor, mask: Tensor) -> Tensor:
     )
 
 
-def ess_of_parts(parts) -> float:
-    """:func:`effective_sample_share` from :func:`ess_parts` (summed over ranks; a tensor
-    or its list)."""
-    total, sq, n = (float(x) for x in parts)
-    if n == 0:
-        return 1.0
-    return total**2 / (n * sq) if sq > 0 else 0.0
-
-
 def _spread(prefix: str, w: Tensor) -> dict[str, float]:
     """How the weights spread: ESS share and the share of near-zero weights."""
     near = (w < NEAR_ZERO).float().mean().item() if w.numel() else 0.0

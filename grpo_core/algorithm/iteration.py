@@ -5,7 +5,7 @@ Each step is a plain call on objects in memory, so an iteration runs in a notebo
     from grpo_core.algorithm import iteration
     from grpo_core.engines.hf import HFEngine
     from grpo_core.config.rl import RLConfig
-    from grpo_core.contracts.scored_batch import ScoredRows
+    from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.training.train_state import TrainState
 
     rl = RLConfig(num_generations=8, max_completion_length=48)
@@ -41,9 +41,9 @@ from grpo_core.errors import UserError
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.config.settings import Scoring
     from grpo_core.config.stages import RLConfig
-    from grpo_core.contracts.scored_batch import ScoredRows
     from grpo_core.engines.generation import SamplingParams
     from grpo_core.rewards.scoring import ScoreRequest, ScoreResult
     from grpo_core.training.parallel import LocalParallel
@@ -286,9 +286,9 @@ def update(
     bits; ``reference()``: the reference model, asked for only when rows are trained on;
     ``parallel``: this process's strategy (a rank of N; default one process)."""
     from grpo_core.algorithm.update import grpo_update
+    from grpo_core.logprobs.precision import new_scaler
     from grpo_core.training.memory import PeakMemory
     from grpo_core.training.parallel import LOCAL
-    from grpo_core.training.precision import new_scaler
     from grpo_core.training.train_state import rng_state, set_rng_state
 
     logger = logger or log

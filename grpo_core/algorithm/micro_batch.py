@@ -17,7 +17,7 @@ from grpo_core.algorithm.sampling_filters import top_entropy_mask
 from grpo_core.config.loss import UpdateConfig, zero_advantage_is_zero_loss
 from grpo_core.contracts.batch import UpdateBatch
 from grpo_core.logprobs.batch import completion_logprobs
-from grpo_core.training.precision import Precision
+from grpo_core.logprobs.precision import Precision
 
 
 @dataclass

@@ -12,7 +12,7 @@ Order of the GRPO paper (DeepSeekMath, Alg. 1), for one generation batch:
 Memory: each micro-batch may run in physical chunks of at most ``max_tokens_per_microbatch``
 padded tokens, each divided by the micro-batch's normaliser (the gradient is the unsplit one);
 log-probs come from the hidden states through the LM head in chunks (``grpo_core.logprobs.lm_head``);
-``bf16``/``fp16`` autocast the forward (``grpo_core.training.precision``).
+``bf16``/``fp16`` autocast the forward (``grpo_core.logprobs.precision``).
 Zero-gradient rows: with ``beta = 0`` and no top-entropy mask, a completion whose advantage is
 0 (every completion of a group without reward variance) or that has no token that counts has a
 per-token loss of exactly 0 whatever the weights, so ``skip_zero_advantage`` (default on) leaves
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from grpo_core.algorithm.batch import build_batch
 from grpo_core.algorithm.importance import (
     behaviour_weights,
     engine_importance_weights,
@@ -43,16 +44,16 @@ from grpo_core.algorithm.importance import (
 from grpo_core.algorithm.losses import micro_batch_counts, step_normalisers
 from grpo_core.algorithm.micro_batch import RowTensors, live_rows, micro_batch, skips_zero_loss_rows
 from grpo_core.config.loss import UpdateConfig
-from grpo_core.contracts.batch import UpdateBatch, build_batch
+from grpo_core.contracts.batch import UpdateBatch
 from grpo_core.logprobs.batch import (
     LOGPROB_CHUNK,
     batched_logprobs,
     completion_logprobs,
     logprob_chunks,
 )
+from grpo_core.logprobs.precision import Precision
 from grpo_core.training.distributed import DataParallel
 from grpo_core.training.parallel import LOCAL, LocalParallel
-from grpo_core.training.precision import Precision
 
 __all__ = [
     "UpdateBatch",

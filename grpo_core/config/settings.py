@@ -33,6 +33,24 @@ def settings_or_knobs(cls, settings, knobs: dict) -> Any:
     return settings if settings is not None else cls(**knobs)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """One sampling request's knobs, as the engines read them (built by :meth:`Sampling.params`)."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 48
+    seed: int | None = None
+    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt/completion
+    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Sampling:
     """How completions are sampled (``rl:`` keys); :meth:`params` is the engines' request."""
@@ -49,9 +67,7 @@ class Sampling:
         object.__setattr__(self, "stop", tuple(self.stop))
 
     def params(self, n: int, seed: int | None = None):
-        """The ``grpo_core.engines.generation.SamplingParams`` of ``n`` samples per prompt."""
-        from grpo_core.engines.generation import SamplingParams  # torch: only when sampling
-
+        """The :class:`SamplingParams` of ``n`` samples per prompt."""
         return same_named(
             SamplingParams, self, n=n, seed=seed, max_new_tokens=self.max_completion_length
         )

@@ -21,8 +21,14 @@ from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
 from grpo_core.config.rl import RLConfig
 from grpo_core.config.section import Section, TrainingKnobs
 from grpo_core.config.settings import SFTSettings, same_named
-from grpo_core.engines.environments import CALL_END, CALL_START, RESULT_END, RESULT_START, ToolSpec
-from grpo_core.engines.observations import TRUNCATION_MARK
+from grpo_core.config.tools import (
+    CALL_END,
+    CALL_START,
+    RESULT_END,
+    RESULT_START,
+    TRUNCATION_MARK,
+    ToolSpec,
+)
 
 __all__ = [
     "DataConfig",
@@ -187,18 +193,8 @@ class RolloutConfig(Section):
         """``tools``, or ``['functions']`` when ``functions`` are given."""
         return ["functions"] if self.functions else list(self.tools)
 
-    def tool_declarations(self) -> str | None:
-        """The ``tools`` column the rows get (the functions' JSON schemas, as JSON), or None."""
-        if not self.functions:
-            return None
-        import json
-
-        from grpo_core.engines.functions import function_schemas
-
-        return json.dumps(function_schemas(self.functions))
-
     def tool_spec(self) -> dict | None:
-        """The environment's settings (``grpo_core.engines.environments.ToolSpec`` fields), or
+        """The environment's settings (``grpo_core.config.tools.ToolSpec`` fields), or
         None without ``tools``."""
         if not self.environment:
             return None

@@ -21,6 +21,7 @@ import string
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_core.contracts.text import extract_boxed
 from grpo_core.errors import UserError
 
 
@@ -40,8 +41,6 @@ def gsm8k_reasoning(text: str) -> str:
 
 def math_answer(text: str) -> str | None:
     """MATH's final answer: the content of the last ``\\boxed{...}`` (nested braces kept)."""
-    from grpo_core.rewards.accuracy import extract_boxed
-
     return extract_boxed(text)
 
 

@@ -11,6 +11,7 @@ template (``apply_chat_template(..., tools=...)``): :func:`row_prompt_text`,
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 
@@ -82,3 +83,19 @@ def model_text(completion: str, turns: Any = None) -> str:
     if not turns or all(t.get("role") == "assistant" for t in turns):
         return completion
     return "".join(t.get("text") or "" for t in turns if t.get("role") == "assistant")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, else None."""
+    best = None
+    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+            i += 1
+        if depth == 0:
+            best = text[m.end() : i - 1].strip()
+    return best

@@ -9,7 +9,7 @@ conversation again); those tokens get loss mask 0.
 
 Built in: ``python`` (:class:`PythonTool`): when a model turn ends with the call marker
 (``</tool_call>`` by default), the code between the markers runs in the code sandbox
-(grpo_core/rewards/sandbox.py: same isolation, time and memory limits per call as the code
+(grpo_core/sandbox/__init__.py: same isolation, time and memory limits per call as the code
 rewards); what it prints (and the value of a last bare expression, as in a notebook) comes
 back between the result markers. Each call is a fresh program: nothing persists between the
 calls of one episode. A user's environment is named ``module:function`` (or
@@ -27,41 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from grpo_core.engines.observations import TRUNCATION_MARK
-
-CALL_START, CALL_END = "<tool_call>", "</tool_call>"
-RESULT_START, RESULT_END = "<tool_response>", "</tool_response>"
-
-
-@dataclass(frozen=True)
-class ToolSpec:
-    """The rollout's environment settings (``rollout.tools`` and the knobs beside it),
-    picklable: it crosses to the engine process and the Ray replicas."""
-
-    tools: tuple[str, ...] = ("python",)
-    max_turns: int = 4  # model turns per episode (tool calls: at most max_turns - 1)
-    max_tool_output_tokens: int = 64  # an observation's tokens, markers included
-    call_start: str = CALL_START
-    call_end: str = CALL_END
-    result_start: str = RESULT_START
-    result_end: str = RESULT_END
-    timeout_s: float = 5.0  # one call's wall clock
-    memory_mb: int = 512  # one call's address space
-    workers: int = 0  # tool calls run at once (0: the machine's cores)
-    isolation: str | None = None  # the sandbox's (None: sandbox.isolation / auto)
-    truncation_mark: str = TRUNCATION_MARK  # where an observation over its budget was cut
-    # the ``functions`` environment's function tools (grpo_core/engines/functions.py): its
-    # turns end at the end-of-turn token and may hold several JSON calls
-    functions: tuple[str, ...] = ()
-
-    @property
-    def json_calls(self) -> bool:
-        return self.tools == ("functions",)
-
-    def as_dict(self) -> dict:
-        from dataclasses import asdict
-
-        return asdict(self)
+from grpo_core.config.tools import (  # noqa: F401  (the markers are imported from here too)
+    CALL_END,
+    CALL_START,
+    RESULT_END,
+    RESULT_START,
+    ToolSpec,
+)
 
 
 @dataclass
@@ -159,7 +131,7 @@ class PythonTool:
     def run(self, code: str) -> Observation:
         """Run ``code`` in the sandbox; its output (or its error's last line) as the
         observation text between the result markers."""
-        from grpo_core.rewards.sandbox import Limits, run_program
+        from grpo_core.sandbox import Limits, run_program
 
         self.calls += 1
         limits = Limits(

@@ -188,3 +188,9 @@ def _format(value) -> str:
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return str(int(value))
     return str(value)
+
+
+def tool_declarations(functions: list[str]) -> str | None:
+    """The ``tools`` column the rows get for ``rollout.functions`` (the functions' JSON
+    schemas, as JSON), or None without function tools."""
+    return json.dumps(function_schemas(functions)) if functions else None

@@ -24,23 +24,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
+from grpo_core.config.settings import SamplingParams  # noqa: F401  (imported from here too)
 from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 48
-    seed: int | None = None
-    min_p: float = 0.0  # drop tokens with prob < min_p * max prob
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt/completion
-    stop: tuple[str, ...] = ()  # stop strings, matched on the decoded completion
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", tuple(self.stop))
 
 
 @dataclass

@@ -19,7 +19,7 @@ Nothing here imports prefect, mlflow or ray.
 
 from __future__ import annotations
 
-TRUNCATION_MARK = "...(truncated)"
+from grpo_core.config.tools import TRUNCATION_MARK  # noqa: F401  (imported from here too)
 
 
 def as_text(text: str) -> str:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from grpo_core.contracts.batch import UpdateBatch
 from grpo_core.logprobs.model import model_logprobs
-from grpo_core.training.precision import Precision
+from grpo_core.logprobs.precision import Precision
 
 LOGPROB_CHUNK = 64  # rows per no-grad forward of batched_logprobs without a token budget
 

@@ -39,14 +39,14 @@ from grpo_core.rewards.code import (
     sandboxed,
 )
 from grpo_core.rewards.length import cosine_scaled, repetition_penalty, soft_overlong_penalty
-from grpo_core.rewards.sandbox import (
+from grpo_core.rewards.scoring import ScoreResult, score_completions
+from grpo_core.sandbox import (
     Limits,
     RunResult,
     SandboxUnavailable,
     detect_isolation,
     run_program,
 )
-from grpo_core.rewards.scoring import ScoreResult, score_completions
 
 __all__ = [
     "REWARDS",

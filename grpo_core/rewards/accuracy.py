@@ -18,6 +18,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
+from grpo_core.contracts.text import extract_boxed
 from grpo_core.rewards import mathverify
 from grpo_core.rewards.base import completion_text, register
 
@@ -44,22 +45,6 @@ def extract_tag(text: str, tag: str = "answer") -> str | None:
     if start < 0:
         return None
     return text[start + len(tag) + 2 : close].strip()
-
-
-def extract_boxed(text: str) -> str | None:
-    """Content of the LAST ``\\boxed{...}`` (or ``\\fbox{...}``), braces balanced, else None."""
-    best = None
-    for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
-        depth, i = 1, m.end()
-        while i < len(text) and depth:
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-            i += 1
-        if depth == 0:
-            best = text[m.end() : i - 1].strip()
-    return best
 
 
 def parse_number(s: str) -> Fraction | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grpo_core.errors import RewardUnavailable  # noqa: F401  (re-exported: rewards.base.RewardUnavailable)
 from grpo_core.registry import Registry
 
 RewardFn = Callable[..., list[float | None]]
@@ -64,12 +65,6 @@ class Scores(list):
     def __init__(self, values=(), errors=None):
         super().__init__(values)
         self.errors: list[str | None] = list(errors) if errors is not None else [None] * len(self)
-
-
-class RewardUnavailable(RuntimeError):
-    """A reward function that must not run here at all (e.g. the code sandbox cannot isolate
-    untrusted programs on this machine). ``score_completions`` lets it through instead of
-    recording it as a per-row error, so the batch stops with the message."""
 
 
 def register(

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from grpo_core.rewards.base import REWARDS, Scores, completion_text, executing, register
-from grpo_core.rewards.isolation import SandboxUnavailable, detect_isolation, requested_isolation
-from grpo_core.rewards.sandbox import Limits, RunResult, run_program
+from grpo_core.sandbox import Limits, RunResult, run_program
+from grpo_core.sandbox.isolation import SandboxUnavailable, detect_isolation, requested_isolation
 
 _FENCE = re.compile(r"```[ \t]*(python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 

@@ -6,7 +6,7 @@ is ``None``. Coroutine functions are awaited concurrently with each other.
 
 ``total`` follows TRL: the weighted ``nansum`` over the functions that gave a number for the
 row; a row where every function gave ``None`` (or failed) is unscorable and totals ``None``
-(one rule, ``grpo_core.algorithm.advantages.weighted_reward_sum``, shared with the advantages).
+(one rule, :func:`weighted_reward_sum`, shared with the advantages).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from grpo_core.rewards.base import RewardUnavailable, get
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @dataclass(frozen=True)
@@ -298,11 +301,23 @@ def reward_matrix(
     return matrix, torch.tensor([weights[k] for k in names], dtype=torch.float64)  # [K]
 
 
+def weighted_reward_sum(rewards_per_func: Tensor, weights: Tensor | None = None) -> Tensor:
+    """TRL's reward: weighted ``nansum`` over reward functions; NaN when all are NaN (the
+    one rule the scored file's ``reward`` column and the advantages share)."""
+    import torch
+
+    k = rewards_per_func.shape[1]
+    if weights is None:
+        weights = torch.ones(k, dtype=rewards_per_func.dtype, device=rewards_per_func.device)
+    w = weights.to(rewards_per_func.device, rewards_per_func.dtype)  # [K]
+    total = (rewards_per_func * w.unsqueeze(0)).nansum(dim=1)  # [N]
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)  # [N]
+    return total.masked_fill(unscorable, float("nan"))
+
+
 def weighted_total(
     per_function: Mapping[str, Sequence[float | None]], weights: Mapping[str, float], n: int
 ) -> list[float | None]:
     """Per-row weighted sum of the scores, ``None`` for unscorable rows (see module doc)."""
-    from grpo_core.algorithm.advantages import weighted_reward_sum
-
     total = weighted_reward_sum(*reward_matrix(per_function, weights, n))  # [N]
     return [None if math.isnan(t) else t for t in total.tolist()]

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from grpo_core.algorithm.step_metrics import SUMMED_METRICS, combine, of_micro_batch
 from grpo_core.contracts.batch import UpdateBatch
 from grpo_core.training.parallel import LocalParallel, ranks_prepare
+from grpo_core.training.step_metrics import SUMMED_METRICS, combine, ess_of_parts, of_micro_batch
 
 BUCKET_ELEMENTS = 25_000_000  # gradient elements per all-reduce (DDP's 25 MB-ish buckets)
 
@@ -181,7 +181,7 @@ class DataParallel(LocalParallel):
         merged = []
         for j in range(len(window)):
             # (metrics, tokens) of the ranks with rows; a rank that skipped all of them adds
-            # no loss and no clipped token (grpo_core.algorithm.step_metrics)
+            # no loss and no clipped token (grpo_core.training.step_metrics)
             parts = [(of_micro_batch(m), t) for m, t in (r[j] for r in ranks) if m]
             out = {}
             for key in dict.fromkeys(k for m, _ in parts for k in m):
@@ -203,8 +203,6 @@ class DataParallel(LocalParallel):
         min of mins, max of maxes, token-weighted means (sequence-level means are weighted by
         tokens too: approximate), and the ESS of the whole batch from every rank's ``ess``
         (``grpo_core.algorithm.importance.ess_parts``: sums, not a mean of the ranks' ESS)."""
-        from grpo_core.algorithm.importance import ess_of_parts
-
         # a collective every rank runs (a rank without weights adds zeros), before the gather
         parts = torch.zeros(3, dtype=torch.float64, device=self.device)
         if ess is not None:

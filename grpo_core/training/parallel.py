@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from grpo_core.algorithm.step_metrics import combine
+from grpo_core.training.step_metrics import combine
 
 
 class LocalParallel:

@@ -24,9 +24,9 @@ from tqdm.auto import tqdm
 from grpo_core.config.settings import SFTSettings, settings_or_knobs
 from grpo_core.contracts.text import encode_completion, row_prompt_ids
 from grpo_core.logprobs.model import model_logprobs
+from grpo_core.logprobs.precision import Precision
 from grpo_core.training.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.training.parallel import LOCAL, LocalParallel
-from grpo_core.training.precision import Precision
 from grpo_core.training.train_state import TrainState, load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -209,7 +209,7 @@ def train_sft(
     module's logger).
     ``max_tokens_per_microbatch``: each batch's forward/backward runs in row chunks of at
     most this many padded tokens (same gradient). ``lm_head``, ``bf16``, ``fp16``: see
-    :func:`grpo_core.logprobs.model.model_logprobs` and :mod:`grpo_core.training.precision`; ``optim``:
+    :func:`grpo_core.logprobs.model.model_logprobs` and :mod:`grpo_core.logprobs.precision`; ``optim``:
     :func:`grpo_core.training.optim.build_optimizer`.
 
     ``parallel``: this rank of N (``grpo_core/training/distributed.py``, prepared: replicas equal, or

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from grpo_core.logprobs.precision import restore_scaler
 from grpo_core.training.checkpoint import load_trainer_state
-from grpo_core.training.precision import restore_scaler
 
 if TYPE_CHECKING:
     from grpo_core.config.stages import RLConfig
@@ -43,7 +43,7 @@ class TrainState:
     global_step: int
     rng: dict  # rng_state() as saved with the checkpoint
     scaler: torch.amp.GradScaler | None = (
-        None  # fp16's loss scaler (grpo_core/training/precision.py)
+        None  # fp16's loss scaler (grpo_core/logprobs/precision.py)
     )
     model: torch.nn.Module | None = None  # what the optimizer steps
     policy_id: str | None = None  # the id of ``model``'s weights at ``global_step``, if known

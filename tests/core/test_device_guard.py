@@ -25,7 +25,7 @@ FACTORIES = {
 
 HOST_DATA = "host data read from a file or a table; the update moves it in UpdateBatch.to"
 ALLOWED = {
-    "grpo_core/contracts/batch.py::build_batch": HOST_DATA,
+    "grpo_core/algorithm/batch.py::build_batch": HOST_DATA,
     "grpo_core/rewards/scoring.py::reward_matrix": "rewards of host-side reward functions",
     "grpo_core/training/sft.py::collate": "host batch; the SFT loop moves it with .to(model.device)",
     "grpo_core/algorithm/losses.py::micro_batch_counts": "only for an empty list, which has no device",

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_core.algorithm import iteration
+from grpo_core.algorithm.scored_batch import ScoredRows
 from grpo_core.config.stages import RLConfig
 from grpo_core.contracts.io import write_parquet
-from grpo_core.contracts.scored_batch import ScoredRows
 from grpo_core.demo.task import make_splits
 from grpo_core.engines.hf import HFEngine
 from grpo_core.training.checkpoint import load_checkpoint, policy_id

@@ -18,7 +18,7 @@ from grpo_core.config.loss import LOSS_AGGREGATIONS, POLICY_OBJECTIVES, LossConf
 from grpo_core.config.rl import RLConfig
 from grpo_core.errors import UserError
 from grpo_core.rewards import code
-from grpo_core.rewards.isolation import SandboxUnavailable
+from grpo_core.sandbox.isolation import SandboxUnavailable
 
 REWARD = "toy_registry_reward"
 OBJECTIVE = "toy_registry_entropy_bonus"
@@ -78,7 +78,7 @@ def test_executes_flag_asks_for_the_sandbox(toy_reward, monkeypatch):
     def cannot_isolate(isolation=None):
         raise SandboxUnavailable("no isolation here")
 
-    monkeypatch.setattr("grpo_core.rewards.isolation.detect_isolation", cannot_isolate)
+    monkeypatch.setattr("grpo_core.sandbox.isolation.detect_isolation", cannot_isolate)
     with pytest.raises(UserError, match="sandbox.isolation: no isolation here"):
         check_sandbox([REWARD], None)
     check_sandbox(["format"], None)  # nothing executes: no probe

@@ -9,9 +9,9 @@ import pickle
 import pyarrow.parquet as pq
 import torch
 
+from grpo_core.algorithm.scored_batch import ScoredRows
 from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.rollouts import rollout_table
-from grpo_core.contracts.scored_batch import ScoredRows
 from grpo_core.engines.generation import Sample, SamplingParams
 from grpo_core.engines.hf import HFEngine
 from grpo_core.engines.turns import SampleRequest, run_turns

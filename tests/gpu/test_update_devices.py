@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from grpo_core.algorithm import micro_batch as micro_batch_module
+from grpo_core.algorithm.batch import build_batch
 from grpo_core.algorithm.update import grpo_update, model_device
 from grpo_core.config.loss import EngineCorrection, LossConfig, UpdateConfig
-from grpo_core.contracts.batch import UpdateBatch, build_batch
+from grpo_core.contracts.batch import UpdateBatch
 
 DEVICES = [
     "cpu",

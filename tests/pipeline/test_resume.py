@@ -241,7 +241,7 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
     not kept: save points 1 and 3): the rerun reuses the tool rollouts on disk, replays
     iteration 2's update from iteration 1's kept state and ends with the uninterrupted run's
     weights, bit for bit."""
-    from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+    from grpo_core.sandbox import SandboxUnavailable, detect_isolation
 
     try:
         detect_isolation()

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_core.contracts.scored_batch import ScoredRows, _check_finite
+from grpo_core.algorithm.scored_batch import ScoredRows, _check_finite
 
 
 def test_nan_advantage_is_refused_with_the_file_and_row(tmp_path):
@@ -45,7 +45,7 @@ def test_build_batch_refuses_what_would_wreck_the_step(bad):
     """The notebook path (``build_batch`` then ``grpo_update``) checks advantages as the
     file path does: NaN makes every weight NaN; 1e30 overflows the gradient norm, and the
     step left the weights unchanged with loss 0 and no warning."""
-    from grpo_core.contracts.batch import build_batch
+    from grpo_core.algorithm.batch import build_batch
 
     with pytest.raises(ValueError, match=r"build_batch: row 1: advantage is .*within \+-1e\+08"):
         build_batch([[1, 2], [1, 2]], [[3], [4]], [0.5, bad], pad_id=0)

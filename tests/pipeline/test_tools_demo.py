@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from tests_support import TOOL_TINY_OVERRIDES as TINY
 
 from flows.config import load_config
-from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+from grpo_core.sandbox import SandboxUnavailable, detect_isolation
 from tasks.score import score_file
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo-tools.yaml"

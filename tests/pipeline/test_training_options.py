@@ -11,9 +11,9 @@ import torch
 from grpo_core.algorithm.update import build_batch, completion_logprobs, grpo_update
 from grpo_core.config.loss import LossConfig, UpdateConfig
 from grpo_core.config.stages import RLConfig, SFTConfig
+from grpo_core.logprobs.precision import Precision
 from grpo_core.training.memory import PeakMemory
 from grpo_core.training.optim import build_optimizer
-from grpo_core.training.precision import Precision
 
 PROMPTS = [[3, 12, 13, 4]] * 4
 COMPLETIONS = [[5, 12, 6, 7, 2], [5, 13, 2], [5, 6, 7, 8, 12, 2], [5, 2]]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_core.rewards.sandbox import (
+from grpo_core.sandbox import (
     Limits,
     SandboxUnavailable,
     detect_isolation,

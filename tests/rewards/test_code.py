@@ -3,12 +3,12 @@ import shutil
 
 import pytest
 
+import grpo_core.sandbox as sandbox_mod
 from grpo_core import rewards
 from grpo_core.rewards import code as code_mod
-from grpo_core.rewards import sandbox as sandbox_mod
 from grpo_core.rewards.code import extract_program, has_real_assert
 from grpo_core.rewards.code import test_spec as spec_of
-from grpo_core.rewards.sandbox import Limits, SandboxUnavailable, detect_isolation, run_program
+from grpo_core.sandbox import Limits, SandboxUnavailable, detect_isolation, run_program
 
 FAST = Limits(wall_seconds=4.0, cpu_seconds=2)
 

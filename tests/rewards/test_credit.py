@@ -1,10 +1,10 @@
-"""Which asserts count for partial credit (grpo_core/rewards/credit.py), and that the scorer's
+"""Which asserts count for partial credit (grpo_core/sandbox/credit.py), and that the scorer's
 numbering of them agrees with the harness's (a mismatch would count the wrong asserts)."""
 
 import pytest
 
-from grpo_core.rewards.credit import analyse, counted_asserts
-from grpo_core.rewards.sandbox import Limits, run_program
+from grpo_core.sandbox import Limits, run_program
+from grpo_core.sandbox.credit import analyse, counted_asserts
 
 FAST = Limits(wall_seconds=6.0, cpu_seconds=3)
 

@@ -4,8 +4,7 @@ and only plain values cross (``_wire.py``); credit is per assert statement."""
 import numpy as np
 import pytest
 
-from grpo_core.rewards import _wire
-from grpo_core.rewards.sandbox import Limits, run_program
+from grpo_core.sandbox import Limits, _wire, run_program
 
 FAST = Limits(wall_seconds=10.0, cpu_seconds=5)
 

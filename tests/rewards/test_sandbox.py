@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from grpo_core import rewards
-from grpo_core.rewards import isolation, launcher
 from grpo_core.rewards.code import run_many
-from grpo_core.rewards.sandbox import (
+from grpo_core.sandbox import (
     Limits,
     SandboxUnavailable,
     detect_isolation,
+    isolation,
+    launcher,
     requested_isolation,
     run_program,
 )
@@ -235,7 +236,7 @@ def test_auto_without_bwrap_is_namespaces_not_weaker():
 
 
 def test_none_only_when_named_and_logged(caplog, tmp_path):
-    with caplog.at_level(logging.WARNING, logger="grpo_core.rewards.sandbox"):
+    with caplog.at_level(logging.WARNING, logger="grpo_core.sandbox"):
         isolation._detect.cache_clear()
         iso = detect_isolation("none")
     assert iso.mode == "none" and not iso.contained

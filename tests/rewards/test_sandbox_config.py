@@ -10,8 +10,8 @@ import pytest
 from flows.config import PipelineConfig, SandboxConfig
 from grpo_core import rewards
 from grpo_core.contracts.io import write_parquet
-from grpo_core.rewards import isolation, launcher
-from grpo_core.rewards.isolation import ISOLATION_ENV, MODES, SandboxUnavailable
+from grpo_core.sandbox import isolation, launcher
+from grpo_core.sandbox.isolation import ISOLATION_ENV, MODES, SandboxUnavailable
 
 
 def test_setting_names_the_modes():

@@ -14,7 +14,7 @@ import pytest
 from rewards.sandbox_programs import OUTSIDE, SECRET, hostile, sandbox_uids_alive
 
 from grpo_core.engines.environments import PythonTool, ToolSpec
-from grpo_core.rewards.sandbox import SandboxUnavailable, detect_isolation
+from grpo_core.sandbox import SandboxUnavailable, detect_isolation
 
 try:
     detect_isolation()

@@ -38,9 +38,9 @@ per assert run, each with a per-run nonce the candidate process never has; credi
 assert statement of the tests that exercise the candidate (``credit.py``), one that never ran
 counting as failed. Exit codes and output are never trusted.
 
-Layout: :mod:`grpo_core.rewards.isolation` chooses the mode (probed once per process),
-:mod:`grpo_core.rewards.launcher` starts one program under it and cleans up,
-:mod:`grpo_core.rewards.verdict` reads the verdict into a :class:`RunResult`. This module is
+Layout: :mod:`grpo_core.sandbox.isolation` chooses the mode (probed once per process),
+:mod:`grpo_core.sandbox.launcher` starts one program under it and cleans up,
+:mod:`grpo_core.sandbox.verdict` reads the verdict into a :class:`RunResult`. This module is
 the public entry: :func:`run_program` and the names callers use.
 """
 
@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from grpo_core.rewards import credit
-from grpo_core.rewards.isolation import (
+from grpo_core.sandbox import credit
+from grpo_core.sandbox.isolation import (
     ISOLATION_ENV,
     MODES,
     Isolation,
@@ -57,8 +57,8 @@ from grpo_core.rewards.isolation import (
     detect_isolation,
     requested_isolation,
 )
-from grpo_core.rewards.launcher import Limits, run_isolated
-from grpo_core.rewards.verdict import RunResult
+from grpo_core.sandbox.launcher import Limits, run_isolated
+from grpo_core.sandbox.verdict import RunResult
 
 __all__ = [
     "ISOLATION_ENV",

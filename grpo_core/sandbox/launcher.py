@@ -6,7 +6,7 @@ plus ``setpriv`` for the uid drop), a scrubbed environment and the rlimits, star
 session, writes the payload to its stdin and drains the verdict pipe. At the wall-clock timeout
 or once it ends, the sandbox's pid-1 (reported by the launcher, opened as a pidfd) and the
 launcher's process group are SIGKILLed and the pid-1's exit awaited, so nothing it started
-outlives the verdict. The records are read by :func:`grpo_core.rewards.verdict.read_verdict`.
+outlives the verdict. The records are read by :func:`grpo_core.sandbox.verdict.read_verdict`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_core.rewards.verdict import RunResult, read_verdict
+from grpo_core.sandbox.verdict import RunResult, read_verdict
 
 if TYPE_CHECKING:
-    from grpo_core.rewards.isolation import Isolation
+    from grpo_core.sandbox.isolation import Isolation
 
 
 def _source(*names: str) -> str:

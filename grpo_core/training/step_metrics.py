@@ -32,3 +32,12 @@ def combine(micro_batches: list[dict]) -> dict:
         values = [m[key] for m in rows if key in m]
         out[key] = sum(values) if key in SUMMED_METRICS else sum(values) / len(values)
     return out
+
+
+def ess_of_parts(parts) -> float:
+    """``grpo_core.algorithm.importance.effective_sample_share`` from its ``ess_parts`` (summed over ranks; a tensor
+    or its list)."""
+    total, sq, n = (float(x) for x in parts)
+    if n == 0:
+        return 1.0
+    return total**2 / (n * sq) if sq > 0 else 0.0

@@ -1,10 +1,10 @@
 """Which isolation the code sandbox runs programs under, chosen once per process.
 
 The modes (``bwrap``, ``namespaces``, ``auto``, ``none``) and their guarantees are described in
-:mod:`grpo_core.rewards.sandbox`. The request comes from the ``isolation=`` argument, else the
+:mod:`grpo_core.sandbox`. The request comes from the ``isolation=`` argument, else the
 ``GRPO_SANDBOX_ISOLATION`` environment variable (set by the pipeline's ``sandbox.isolation``),
 else ``"auto"``. Each candidate mode is probed by really running a trivial program
-(:mod:`grpo_core.rewards.launcher`); when none works, :class:`SandboxUnavailable` names the fix
+(:mod:`grpo_core.sandbox.launcher`); when none works, :class:`SandboxUnavailable` names the fix
 (fail closed). ``none`` is only ever used when named, and is logged as a warning.
 """
 
@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from grpo_core.rewards.base import RewardUnavailable
-from grpo_core.rewards.launcher import Limits, run_isolated
+from grpo_core.errors import RewardUnavailable
+from grpo_core.sandbox.launcher import Limits, run_isolated
 
 # the sandbox's logger (the name its log lines and docs/rewards.md have always used)
-log = logging.getLogger("grpo_core.rewards.sandbox")
+log = logging.getLogger("grpo_core.sandbox")
 
 MODES = ("auto", "bwrap", "namespaces", "none")
 ISOLATION_ENV = "GRPO_SANDBOX_ISOLATION"

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from grpo_core.algorithm.batch import build_batch, check_advantages
 from grpo_core.algorithm.sampling_filters import dynamic_sampling_mask
-from grpo_core.contracts.batch import UpdateBatch, build_batch, check_advantages
+from grpo_core.contracts.batch import UpdateBatch
 from grpo_core.contracts.rollouts import group_ids, read_scored
 
 COLUMNS = ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
