@@ -10,6 +10,7 @@ class it defines; a name a module imports is followed to where it is defined."""
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -325,7 +326,7 @@ def test_the_readme_iteration_runs_on_a_fresh_install(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(script)],
         cwd=cwd,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home")},
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=300,
