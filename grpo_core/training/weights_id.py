@@ -6,7 +6,7 @@ the tensors are split into files (one ``model.safetensors`` or a sharded index),
 files' metadata, or on where the tensors live: :func:`state_dict_id` hashes a state dict in
 memory (an RL update's new weights, which are then kept in memory and written only at the
 stage's save points) and :func:`files_id` the files ``save_pretrained`` wrote from it, and
-the two agree (tests/test_weights_id.py). The tensors hashed in memory are those a
+the two agree (tests/core/test_weights_id.py). The tensors hashed in memory are those a
 checkpoint holds: :func:`savable_state_dict` drops the tied copies that ``save_pretrained``
 leaves out (the LM head tied to the input embeddings) and merges a LoRA adapter.
 """
