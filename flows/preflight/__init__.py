@@ -139,9 +139,9 @@ def check_run(cfg) -> None:
 
 def _tokenizer_of(checkpoint):
     def load():
-        from transformers import AutoTokenizer
+        from grpo_core.training.checkpoint import saved_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(checkpoint), local_files_only=True)
+        return saved_tokenizer(checkpoint, local_files_only=True)
 
     return load
 

@@ -23,9 +23,9 @@ def _model(cfg):
             return None, None  # check_checkpoint reports it
 
         def tokenizer():
-            from transformers import AutoTokenizer
+            from grpo_core.training.checkpoint import saved_tokenizer
 
-            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return saved_tokenizer(path, local_files_only=True)
 
         return model_context(config), tokenizer
     from grpo_core.config.model import DEMO_CONTEXT

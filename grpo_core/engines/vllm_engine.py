@@ -187,12 +187,21 @@ class VLLMEngine:
                 os.environ.setdefault(key, value)
             else:
                 os.environ[key] = value
+        from grpo_core.training.checkpoint import load_tokenizer, plain_tokenizer_folder
+
         vllm = _import_vllm()
+        # a plain fast tokenizer beside a Qwen2/Llama model: vLLM's AutoTokenizer would build
+        # the model type's tokenizer class instead (grpo_core/training/checkpoint.py:
+        # saved_tokenizer); it reads the saved one from a folder without the model config
+        plain = plain_tokenizer_folder(checkpoint) if "tokenizer" not in opts.llm_kwargs else None
         set_threads = torch.set_num_threads  # the CPU worker replaces it process-wide
         try:
-            llm = vllm.LLM(**opts.llm_kwargs)
+            llm = vllm.LLM(**opts.llm_kwargs, **({"tokenizer": str(plain)} if plain else {}))
         finally:
             torch.set_num_threads = set_threads
+            if plain is not None:
+                shutil.rmtree(plain, ignore_errors=True)  # vLLM has read it
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(checkpoint)
         if opts.device == "cpu" and opts.in_process:
             torch.set_num_threads(opts.threads)
         return cls(llm, tokenizer=tokenizer, enable_sleep_mode=opts.llm_kwargs["enable_sleep_mode"])
