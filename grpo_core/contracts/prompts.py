@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_core.contracts.conversation import conversation_problem, is_conversation
+from grpo_core.contracts.text import is_conversational
 from grpo_core.errors import UserError
 
 if TYPE_CHECKING:
@@ -170,6 +172,21 @@ def _prompt_problem(p: Any) -> str | None:
     return None
 
 
+def _completion_problem(c: Any, prompt: Any) -> str | None:
+    """What is wrong with an SFT ``completion``: text, or chat messages (the assistant's
+    turns and the ``tool`` messages answering them) after a prompt of chat messages."""
+    if isinstance(c, str):
+        return None
+    if not is_conversation(c):
+        return (
+            "must be text or a non-empty list of {role, content} messages, "
+            f"got {type(c).__name__}"
+        )
+    if not is_conversational(prompt):
+        return "chat messages follow a prompt given as chat messages, not as text"
+    return conversation_problem(c)
+
+
 def _kind(v: Any) -> str:
     if isinstance(v, bool):
         return "a boolean"
@@ -195,7 +212,7 @@ def load_rows(
 
     Checks: the ``required`` columns are there; ``prompt`` is non-empty text or chat messages
     (``{role, content}``) of at most ``max_prompt_chars`` characters; ``completion``, when
-    required, is text; no column is named ``prompts``/``completions``; and a column holds
+    required, is text or chat messages (grpo_core/contracts/conversation.py); no column is named ``prompts``/``completions``; and a column holds
     the same kind of value in every row (the rollout Parquet needs one type per column).
     ``mapping`` turns a plain dataset's columns into those first (SFT rows when ``required``
     has ``completion``).
@@ -238,11 +255,10 @@ def load_rows(
                     f"{max_prompt_chars:,} (data.max_prompt_chars); shorten or drop the row, or "
                     "raise data.max_prompt_chars"
                 )
-        if "completion" in required and not isinstance(row["completion"], str):
-            raise UserError(
-                f"{path}, row {i}, field 'completion': must be text, "
-                f"got {type(row['completion']).__name__}"
-            )
+        if "completion" in required:
+            problem = _completion_problem(row["completion"], row.get("prompt"))
+            if problem:
+                raise UserError(f"{path}, row {i}, field 'completion': {problem}")
         for col, v in row.items():
             if col in RESERVED_COLUMNS:
                 raise UserError(

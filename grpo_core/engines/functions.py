@@ -10,7 +10,7 @@ The ``functions`` environment reads a model turn (it ends at the end-of-turn tok
 chat model ends a turn that calls tools) for every ``<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>`` in it, runs each call in order, and answers with one
 ``tool`` message per call. The turn loop renders them through the chat template and appends
-the exact ids (grpo_core/engines/observations.py: ``encode_tool_messages``), loss-masked, as
+the exact ids (grpo_core/contracts/observations.py: ``encode_tool_messages``), loss-masked, as
 TRL's tool suffix is. A call that is not JSON, names no known function, has arguments that do
 not fit, or raises, is answered with its error as that message (and counted as a failed
 call), so a model learns that its call did nothing. Functions run in this process (as in

@@ -36,14 +36,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
-from grpo_core.engines.observations import (
+from grpo_core.contracts.observations import (
     call_turn,
     clip_observation,
     encode_mark,
     encode_observation,
     encode_tool_messages,
 )
+from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample, SamplingParams

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.config.settings import SFTSettings, settings_or_knobs
+from grpo_core.contracts.conversation import MaskedIds, encode_conversation, is_conversation
 from grpo_core.contracts.text import encode_completion, row_prompt_ids
 from grpo_core.logprobs.model import model_logprobs
 from grpo_core.logprobs.precision import Precision
@@ -42,24 +43,27 @@ class SFTResult:
     resumed_from: int = 0  # the step of the resume checkpoint this run continued from
 
 
-class MaskedIds(list):
-    """Completion ids with a loss mask (``mask``: 1 a target, 0 context)."""
-
-    mask: list[int]
-
-
 def encode_examples(
     tokenizer, rows: list[dict], mask_spans: tuple = ()
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt_ids, completion_ids + eos) for rows with ``prompt`` and ``completion``. With
     ``mask_spans`` ((start, end) marker pairs), a completion holding such a span is encoded
     piece by piece, each span alone (as the turn loop tokenises an observation), and its
-    tokens get no loss (:class:`MaskedIds`)."""
+    tokens get no loss (:class:`MaskedIds`). A completion given as chat messages (assistant
+    turns and the ``tool`` messages answering them) is laid out as the turn loop samples it,
+    loss on the assistant's turns only (grpo_core/contracts/conversation.py)."""
     out = []
     for i, row in enumerate(rows):
         if "prompt" not in row or "completion" not in row:
             raise ValueError(f"SFT row {i}: needs 'prompt' and 'completion', has {sorted(row)}")
         text = row["completion"]
+        if is_conversation(text):
+            try:
+                completion = encode_conversation(tokenizer, row["prompt"], text, row.get("tools"))
+            except ValueError as e:
+                raise ValueError(f"SFT row {i}, field 'completion': {e}") from None
+            out.append((row_prompt_ids(tokenizer, row), completion))
+            continue
         pieces = split_spans(text, mask_spans) if mask_spans else [(text, 1)]
         if len(pieces) == 1:
             completion = encode_completion(tokenizer, text)

@@ -117,8 +117,9 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
     """``rollout.functions: [calculator]`` on a model whose chat template has a tools section
     (a tiny Qwen2 with tests/tools/test_json_tools.py's Hermes-style template): preflight
     passes, every split's rows get the ``tools`` column, every prompt the model sees declares
-    the calculator, every stage samples in JSON-call mode (no stop string: turns end at
-    end-of-turn), and a rollout file is re-scored from the file alone."""
+    the calculator, the cold start trains on conversations (the calculator's answers as tool
+    messages, out of the loss), every stage samples in JSON-call mode (no stop string: turns
+    end at end-of-turn), and a rollout file is re-scored from the file alone."""
     import json
 
     from flows import preflight
@@ -136,8 +137,15 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
         {
             "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
             "answer": str(a + b),
-            "completion": f'<tool_call>{{"name": "calculator", "arguments": {{"expression": '
-            f'"{a}+{b}"}}}}</tool_call>',
+            "completion": [  # the cold start's episodes as chat messages, tool answer included
+                {
+                    "role": "assistant",
+                    "content": f'<tool_call>{{"name": "calculator", '
+                    f'"arguments": {{"expression": "{a}+{b}"}}}}</tool_call>',
+                },
+                {"role": "tool", "name": "calculator", "content": str(a + b)},
+                {"role": "assistant", "content": f"<answer>{a + b}</answer>"},
+            ],
         }  # fmt: skip
         for a in range(10, 30)
         for b in range(3, 6)

@@ -1,20 +1,20 @@
 """What a tool prints reaches the policy as data, and a call is recognised however the
-vocabulary spells its marker (grpo_core/engines/observations.py, the turn loop, the HF
+vocabulary spells its marker (grpo_core/contracts/observations.py, the turn loop, the HF
 engine's stop strings). The python tool runs in the real code sandbox."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo_core.demo import model as demo
-from grpo_core.engines.environments import ToolSpec
-from grpo_core.engines.generation import Sample, SamplingParams, stop_strings
-from grpo_core.engines.observations import (
-    TRUNCATION_MARK,
+from grpo_core.config.tools import TRUNCATION_MARK
+from grpo_core.contracts.observations import (
     call_turn,
     clip_observation,
     encode_observation,
 )
+from grpo_core.demo import model as demo
+from grpo_core.engines.environments import ToolSpec
+from grpo_core.engines.generation import Sample, SamplingParams, stop_strings
 from grpo_core.engines.turns import run_turns
 from tests.tools.test_tool_answers import ascii_tokenizer
 

@@ -19,8 +19,6 @@ Nothing here imports prefect, mlflow or ray.
 
 from __future__ import annotations
 
-from grpo_core.config.tools import TRUNCATION_MARK  # noqa: F401  (imported from here too)
-
 
 def as_text(text: str) -> str:
     """``text`` with anything UTF-8 cannot encode (lone surrogates) backslash-escaped."""
