@@ -116,7 +116,7 @@ def _check_template_declares_tools(cfg, tokenizer) -> None:
             "never see its functions; give the tokenizer a template with a tools section "
             "(tokenizer_config.json's chat_template; docs/tools.md shows one)"
         )
-    from grpo_core.engines.observations import encode_tool_messages
+    from grpo_core.contracts.observations import encode_tool_messages
 
     try:  # the results come back as the template's tool messages, after the end-of-turn
         encode_tool_messages(tok, [{"role": "tool", "name": "f", "content": "1"}], 8, [])

@@ -12,7 +12,7 @@ typed settings a concern reads (``settings.py``, ``loss.py``), and the tasks han
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -178,6 +178,27 @@ class RolloutConfig(Section):
         description="put before the result end marker where a tool's output was cut to "
         "max_tool_output_tokens (the model and the turns record see it was cut)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _trl_names(cls, data: Any) -> Any:
+        """TRL's ``max_tool_calling_iterations`` (tool-calling turns per episode) as
+        ``max_turns`` (model turns, the last one answering): N calls -> N + 1 turns."""
+        if not isinstance(data, dict) or "max_tool_calling_iterations" not in data:
+            return data
+        data = dict(data)
+        calls = data.pop("max_tool_calling_iterations")
+        if not isinstance(calls, int) or isinstance(calls, bool) or calls < 0:
+            raise ValueError(
+                f"max_tool_calling_iterations {calls!r}: a number of tool calls (>= 0; TRL's "
+                "name, max_turns here is that + 1)"
+            )
+        if "max_turns" in data and data["max_turns"] != calls + 1:
+            raise ValueError(
+                f"max_tool_calling_iterations {calls} and max_turns {data['max_turns']} "
+                f"disagree: {calls} tool calls are max_turns {calls + 1}; give one of them"
+            )
+        return {**data, "max_turns": calls + 1}
 
     @model_validator(mode="after")
     def _functions_are_the_environment(self) -> RolloutConfig:

@@ -288,3 +288,13 @@ def test_async_vllm_adapter_sync_on_one_machine_is_refused():
         load_config(None, sets)
     load_config(None, [*sets[:3], "rollout.vllm.lora_sync=merged"])  # merged: fine
     load_config(None, [*sets[1:]])  # on-policy: the adapter is synced in this process
+
+
+def test_trls_max_tool_calling_iterations_is_read_as_max_turns():
+    cfg = load_config(None, ["rollout.tools=[python]", "rollout.max_tool_calling_iterations=2"])
+    assert cfg.rollout.max_turns == 3  # two calls, then the answering turn
+    assert cfg.rollout.tool_spec()["max_turns"] == 3
+    with pytest.raises(UserError, match="max_tool_calling_iterations 2 and max_turns 5 disagree"):
+        load_config(None, ["rollout.max_tool_calling_iterations=2", "rollout.max_turns=5"])
+    with pytest.raises(UserError, match="max_tool_calling_iterations -1: a number of tool calls"):
+        load_config(None, ["rollout.max_tool_calling_iterations=-1"])
