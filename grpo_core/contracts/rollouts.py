@@ -51,7 +51,13 @@ EPISODE_COLUMNS = {
     "tool_errors": "tool calls that failed (raised, timed out, were killed)",
     "tool_time_s": "the episode's tool calls' wall time",
 }
-OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS)
+# Written when the environment's episodes have a reward() (docs/tools.md): what the
+# ``environment`` reward function pays, recorded so a re-score needs no environment
+ENV_REWARD_COLUMNS = {
+    "env_reward": "the environment's own reward for the episode (null: none, or it failed)",
+    "env_reward_error": "the error of the episode's reward() (null: none)",
+}
+OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS, *ENV_REWARD_COLUMNS)
 EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
@@ -98,6 +104,7 @@ def rollout_table(
     texts = {i: row_prompt_text(tokenizer, rows[i]) for i in hashes}
     # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
+    env_rewards = any(getattr(s, "env", None) is not None for s in samples)
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -124,6 +131,10 @@ def rollout_table(
             rec["tool_calls"] = len(tools)
             rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
+        if env_rewards:
+            env = getattr(s, "env", None) or {}
+            rec["env_reward"] = env.get("reward")
+            rec["env_reward_error"] = env.get("error")
         for k, v in row.items():
             if k not in rec and k != "completion":
                 rec[k] = v

@@ -43,6 +43,9 @@ class Sample:
     # the episode's turns in order, each {"role", "start", "end"} (token span of the
     # completion); None: one assistant turn spanning the completion
     turns: list[dict] | None = None
+    # the environment's own reward for the episode ({"reward", "error"}: its episode's
+    # ``reward()``, grpo_core/engines/turns.py); None: the episode has no reward()
+    env: dict | None = None
 
 
 def _repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -139,7 +139,7 @@ class _Episode:
         from grpo_core.engines.generation import Sample
 
         return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
-                      self.mask, self.turns)  # fmt: skip
+                      self.mask, self.turns, env=_env_reward(self.env))  # fmt: skip
 
 
 @dataclass
@@ -238,6 +238,22 @@ class _Episodes:
                 continue
             going.append(ep)
         return going
+
+
+def _env_reward(episode) -> dict | None:
+    """The episode's own reward once it has ended (its ``reward()``: a number or None),
+    with the error when it raises or returns something else; None when it has no
+    ``reward()``."""
+    ask = getattr(episode, "reward", None)
+    if not callable(ask):
+        return None
+    try:
+        value = ask()
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise TypeError(f"reward() returned {type(value).__name__}, expected a number or None")
+        return {"reward": None if value is None else float(value), "error": None}
+    except Exception as exc:
+        return {"reward": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
 
 
 @dataclass

@@ -15,6 +15,7 @@ columns it reads, its answer extraction, whether it runs the program). See docs/
 
 from grpo_core.rewards import accuracy as _accuracy  # noqa: F401  (registers)
 from grpo_core.rewards import code as _code  # noqa: F401
+from grpo_core.rewards import environment as _environment  # noqa: F401
 from grpo_core.rewards import format as _format  # noqa: F401
 from grpo_core.rewards import length as _length  # noqa: F401
 from grpo_core.rewards.base import (
