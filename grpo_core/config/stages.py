@@ -167,7 +167,7 @@ class RolloutConfig(Section):
     )
     tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
     tool_sandbox: Literal["warm", "fresh"] = Field(
-        "fresh",
+        "warm",
         description="the python tool's sandbox: 'warm' (started once per worker, a clean "
         "process forked per call) or 'fresh' (a new sandbox per call, ~125 ms); the same "
         "isolation, limits and outputs",

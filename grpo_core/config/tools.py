@@ -34,7 +34,7 @@ class ToolSpec:
     # the python tool's sandbox per call: "warm" (a sandbox that stays up and forks a clean
     # process per call, grpo_core/sandbox/forkserver.py) or "fresh" (a new sandbox per call);
     # the same isolation, limits and outputs either way
-    sandbox: str = "fresh"
+    sandbox: str = "warm"
 
     @property
     def json_calls(self) -> bool:

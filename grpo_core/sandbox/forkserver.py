@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
+import resource
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -61,12 +64,10 @@ class ServerGone(RuntimeError):
 
 
 def _preexec(parent: int):
-    def setup() -> None:  # between fork and exec: die with the thread that starts us
-        import ctypes
-        import resource
-        import signal
+    prctl = ctypes.CDLL(None).prctl  # loaded here: nothing is imported between fork and exec
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    def setup() -> None:  # between fork and exec: die with the thread that starts us
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(125)
         for name, value in _SERVER_RLIMITS.items():
