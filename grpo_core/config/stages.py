@@ -166,6 +166,12 @@ class RolloutConfig(Section):
         description="one tool call's address space (preflight: at most the machine's memory)",
     )
     tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+    tool_sandbox: Literal["warm", "fresh"] = Field(
+        "warm",
+        description="the python tool's sandbox: 'warm' (started once per worker, a clean "
+        "process forked per call) or 'fresh' (a new sandbox per call, ~125 ms); the same "
+        "isolation, limits and outputs",
+    )
     functions: list[str] = Field(
         default_factory=list,
         description="function tools in the chat template's JSON format (docs/tools.md): "
@@ -231,6 +237,7 @@ class RolloutConfig(Section):
             timeout_s=self.tool_timeout_s,
             memory_mb=self.tool_memory_mb,
             workers=self.tool_workers,
+            sandbox=self.tool_sandbox,
             truncation_mark=self.tool_truncation_mark,
         ).as_dict()
 

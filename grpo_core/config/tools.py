@@ -31,6 +31,10 @@ class ToolSpec:
     # the ``functions`` environment's function tools (grpo_core/engines/functions.py): its
     # turns end at the end-of-turn token and may hold several JSON calls
     functions: tuple[str, ...] = ()
+    # the python tool's sandbox per call: "warm" (a sandbox that stays up and forks a clean
+    # process per call, grpo_core/sandbox/forkserver.py) or "fresh" (a new sandbox per call);
+    # the same isolation, limits and outputs either way
+    sandbox: str = "warm"
 
     @property
     def json_calls(self) -> bool:
@@ -39,4 +43,7 @@ class ToolSpec:
     def as_dict(self) -> dict:
         from dataclasses import asdict
 
-        return asdict(self)
+        data = asdict(self)
+        if data["sandbox"] == type(self).sandbox:  # the default, left out: stage cache keys
+            del data["sandbox"]  # stay as they were (the outputs are the same in both modes)
+        return data

@@ -12,7 +12,8 @@ Built in: ``python`` (:class:`PythonTool`): when a model turn ends with the call
 (grpo_core/sandbox/__init__.py: same isolation, time and memory limits per call as the code
 rewards); what it prints (and the value of a last bare expression, as in a notebook) comes
 back between the result markers. Each call is a fresh program: nothing persists between the
-calls of one episode. A user's environment is named ``module:function`` (or
+calls of one episode (nor between calls on one warm sandbox: ``rollout.tool_sandbox``,
+grpo_core/sandbox/forkserver.py). A user's environment is named ``module:function`` (or
 ``file.py:function``), as a reward function is: a callable ``(spec: ToolSpec) ->
 Environment``.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -131,7 +133,7 @@ class PythonTool:
     def run(self, code: str) -> Observation:
         """Run ``code`` in the sandbox; its output (or its error's last line) as the
         observation text between the result markers."""
-        from grpo_core.sandbox import Limits, run_program
+        from grpo_core.sandbox import Limits
 
         self.calls += 1
         limits = Limits(
@@ -141,14 +143,27 @@ class PythonTool:
         )
         start = time.perf_counter()
         try:
-            res = run_program(echo_last_expression(code), kind="tool", limits=limits,
-                              isolation=self.spec.isolation)  # fmt: skip
+            res = _run_call(echo_last_expression(code), limits, self.spec)
             output, error = res.output, None if res.program_ok else (res.error or "failed")
         except Exception as exc:  # the sandbox itself failed: an error observation
             output, error = "", f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - start
         text = output.strip() if error is None else (output.strip() + "\n" + error).strip()
         return Observation(f"{self.spec.result_start}{text}{self.spec.result_end}", error, seconds)
+
+
+def _run_call(program: str, limits: Any, spec: ToolSpec) -> Any:
+    """One call in the sandbox: on a warm server (``spec.sandbox == "warm"``, under bwrap or
+    namespaces: grpo_core/sandbox/forkserver.py), else in a fresh sandbox of its own."""
+    from grpo_core.sandbox import detect_isolation, run_program
+
+    iso = detect_isolation(spec.isolation)
+    if spec.sandbox == "warm" and iso.contained:
+        from grpo_core.sandbox import forkserver
+
+        workers = spec.workers or os.cpu_count() or 1
+        return forkserver.run_tool(program, iso, limits, workers)
+    return run_program(program, kind="tool", limits=limits, isolation=spec.isolation)
 
 
 @dataclass

@@ -87,6 +87,27 @@ class _Capture:
         return out + (f"\n... ({self.dropped} more characters)" if self.dropped else "")
 
 
+def _exec_program(first, named_main, capture):
+    """Run ``first["program"]`` (then dropped from ``first``) in a fresh namespace, as
+    ``__main__`` when ``named_main``, with stdout and stderr going to ``capture`` when given:
+    ``(ok, error, namespace)``. The warm tool sandbox's call process runs programs through
+    this same function (``_forkserver.py``)."""
+    ns = {"__name__": "__main__" if named_main else "__candidate__", "__builtins__": _builtins}
+    if capture is not None:
+        _sys.stdout = _sys.stderr = capture
+    ok, error = True, ""
+    try:
+        code = compile(first["program"], "<program>", "exec")
+        del first["program"]
+        exec(code, ns)
+    except SystemExit as exc:
+        ok = exc.code is None or (type(exc.code) is int and exc.code == 0)
+        error = "" if ok else _message(exc)
+    except BaseException as exc:
+        ok, error = False, _message(exc)
+    return ok, error, ns
+
+
 def _serve():
     req, rep = int(_sys.argv[1]), int(_sys.argv[2])
     send = wire_send  # noqa: F821
@@ -105,20 +126,7 @@ def _serve():
     exit_now = os._exit  # noqa: F821 (_seccomp.py's os) taken before the program can patch it
     capture = first.get("capture")
     capture = _Capture(int(capture)) if type(capture) is int else None
-    named_main = main or capture is not None
-    ns = {"__name__": "__main__" if named_main else "__candidate__", "__builtins__": _builtins}
-    if capture is not None:
-        _sys.stdout = _sys.stderr = capture
-    ok, error = True, ""
-    try:
-        code = compile(first["program"], "<program>", "exec")
-        del first["program"]
-        exec(code, ns)
-    except SystemExit as exc:
-        ok = exc.code is None or (type(exc.code) is int and exc.code == 0)
-        error = "" if ok else _message(exc)
-    except BaseException as exc:
-        ok, error = False, _message(exc)
+    ok, error, ns = _exec_program(first, main or capture is not None, capture)
     if capture is not None:  # a tool call: what it printed; whether it raised is the exit
         send(rep, {"ok": ok, "error": error, "output": capture.value()})  # status (a reply
         exit_now(0 if ok else 1)  # the program forged on the pipe cannot change it)
@@ -146,4 +154,5 @@ def _serve():
             send(rep, {"ok": False, "type": "TypeError", "error": _message(exc)})
 
 
-_serve()
+if not globals().get("_GRPO_NO_SERVE"):  # the warm tool sandbox takes the functions only
+    _serve()

@@ -12,7 +12,8 @@
   scorer's session keyring; no ``memfd_create`` (memory in anonymous files escapes
   ``RLIMIT_AS``); no ``io_uring`` (its own route to files and sockets); no SysV IPC
   (``shmget``/``shmat``, ``msgget``/``msgsnd``, ``semget``: kernel memory outside
-  ``RLIMIT_AS``);
+  ``RLIMIT_AS``), no POSIX message queue (``mq_open``: it outlives the process in the IPC
+  namespace, which a warm tool sandbox keeps across calls);
 - no change of the parent-death signal (``prctl(PR_SET_PDEATHSIG)``), so a candidate process
   always dies with its harness;
 - with ``processes=False``: no new process at all (``fork``, ``vfork``, a ``clone`` without
@@ -54,6 +55,7 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "semget": 64,
             "msgget": 68,
             "msgsnd": 69,
+            "mq_open": 240,
         },
     ),  # fmt: skip
     "aarch64": (
@@ -79,6 +81,7 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "semget": 190,
             "shmget": 194,
             "shmat": 196,
+            "mq_open": 180,
         },
     ),  # fmt: skip
 }
@@ -119,6 +122,9 @@ def seccomp_program(machine, processes):
     # SysV IPC: shared memory segments and message queues live in the kernel, outside
     # RLIMIT_AS (5 x 300 MiB of shm held past a 512 MiB cap; 32,000 queues, 488 MiB)
     deny += ["shmget", "shmat", "semget", "msgget", "msgsnd"]
+    # POSIX message queues: kernel objects of the IPC namespace that outlive the process (a
+    # warm tool sandbox keeps its namespace across calls: one call must leave nothing there)
+    deny += ["mq_open"]
     if not processes:
         deny += [n for n in ("fork", "vfork") if n in nr]
     lines = [

@@ -77,46 +77,47 @@ def _harness_argv(fd: int) -> list[str]:
 _DROP = ["setpriv", "--clear-groups", "--no-new-privs"]
 
 
+def bwrap_prefix(iso: Isolation, tmp_bytes: int, info: int) -> list[str]:
+    """bwrap's arguments up to ``--``: the namespaces and the filesystem view (also the warm
+    tool sandbox's, forkserver.py)."""
+    cmd = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info)]
+    cmd += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    cmd += ["--unshare-cgroup-try"]
+    if not iso.drop_uid:
+        cmd += ["--unshare-user"]
+    cmd += ["--ro-bind", "/usr", "/usr"]
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink(f"/{link}"):
+            cmd += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+    made: set[str] = set()
+    for root in _python_roots():
+        for parent in reversed(Path(root).parents[:-1]):  # traversable by the sandbox uid
+            if str(parent) not in made:
+                made.add(str(parent))
+                cmd += ["--perms", "0755", "--dir", str(parent)]
+        cmd += ["--ro-bind", root, root]
+    cmd += ["--proc", "/proc", "--dev", "/dev"]
+    cmd += ["--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    return cmd + ["--chmod", "1777", "/tmp", "--chdir", "/tmp", "--"]
+
+
+def nsinit_config(workdir: str, uid: int | None, fd: int, rlimits: dict, tmp_bytes: int,
+                  deadline: int) -> str:  # fmt: skip
+    """``_nsinit.py``'s JSON config (also the warm tool sandbox's, forkserver.py)."""
+    cfg = {"root": workdir, "uid": uid, "fd": fd, "roots": _python_roots(), "rlimits": rlimits,
+           "tmp_bytes": tmp_bytes, "parent": os.getpid(), "deadline": deadline}  # fmt: skip
+    return json.dumps(cfg)
+
+
 def _command(iso: Isolation, uid: int, workdir: str, limits: Limits, fd: int, info: int) -> list:
     drop = [*_DROP, f"--reuid={uid}", f"--regid={uid}"] if iso.drop_uid else []
     if iso.mode == "bwrap":
-        cmd = ["bwrap", "--die-with-parent", "--new-session", "--info-fd", str(info)]
-        cmd += [
-            "--unshare-ipc",
-            "--unshare-pid",
-            "--unshare-net",
-            "--unshare-uts",
-            "--unshare-cgroup-try",
-        ]
-        if not iso.drop_uid:
-            cmd += ["--unshare-user"]
-        cmd += ["--ro-bind", "/usr", "/usr"]
-        for link in ("bin", "lib", "lib64", "sbin"):
-            if os.path.islink(f"/{link}"):
-                cmd += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
-        made: set[str] = set()
-        for root in _python_roots():
-            for parent in reversed(Path(root).parents[:-1]):  # traversable by the sandbox uid
-                if str(parent) not in made:
-                    made.add(str(parent))
-                    cmd += ["--perms", "0755", "--dir", str(parent)]
-            cmd += ["--ro-bind", root, root]
-        cmd += ["--proc", "/proc", "--dev", "/dev"]
-        cmd += ["--size", str(limits.workdir_bytes), "--tmpfs", "/tmp"]
-        cmd += ["--chmod", "1777", "/tmp", "--chdir", "/tmp"]
-        return cmd + ["--"] + drop + _harness_argv(fd)
+        return bwrap_prefix(iso, limits.workdir_bytes, info) + drop + _harness_argv(fd)
     if iso.mode == "namespaces":
-        cfg = {
-            "root": workdir,
-            "uid": uid if iso.drop_uid else None,
-            "fd": fd,
-            "roots": _python_roots(),
-            "rlimits": _rlimits(limits),
-            "tmp_bytes": limits.workdir_bytes,
-            "parent": os.getpid(),
-            "deadline": math.ceil(limits.wall_seconds) + 30,
-        }
-        return [_python(), "-I", "-B", "-c", _NSINIT + "\n" + _HARNESS, json.dumps(cfg)]
+        deadline = math.ceil(limits.wall_seconds) + 30
+        cfg = nsinit_config(workdir, uid if iso.drop_uid else None, fd, _rlimits(limits),
+                            limits.workdir_bytes, deadline)  # fmt: skip
+        return [_python(), "-I", "-B", "-c", _NSINIT + "\n" + _HARNESS, cfg]
     return drop + _harness_argv(fd)
 
 

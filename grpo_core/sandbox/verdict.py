@@ -52,6 +52,17 @@ def _source(ident: str) -> str:
     return ident[: ident.index(".") + 1] if "." in ident else "t"
 
 
+def ended(rc: int | None, limits) -> tuple[str, str]:
+    """``(status, error)`` of a run that ended before its verdict was complete: killed by a
+    signal (``rc`` < 0, or 128+N as the launchers relay one), else exited early."""
+    if rc is not None and (rc < 0 or rc > 128):
+        sig = -rc if rc < 0 else rc - 128
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
+        hint = {"SIGXCPU": f" (CPU limit {limits.cpu_seconds}s)", "SIGXFSZ": " (file size limit)"}
+        return "killed", f"killed by {name}{hint.get(name, '')}"
+    return "exited", f"exited with code {rc} before the tests finished"
+
+
 def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload) -> RunResult:
     records = []
     for line in raw.split(b"\n"):
@@ -91,13 +102,8 @@ def read_verdict(raw, nonce, counted, timed_out, rc, wall, tail, limits, payload
         status, error = "ok", None
     elif setup_failed:
         status, error = "error", tail.strip().splitlines()[-1][:300]
-    elif rc is not None and (rc < 0 or rc > 128):  # launchers relay a signal as 128+N
-        sig = -rc if rc < 0 else rc - 128
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        hint = {"SIGXCPU": f" (CPU limit {limits.cpu_seconds}s)", "SIGXFSZ": " (file size limit)"}
-        status, error = "killed", f"killed by {name}{hint.get(name, '')}"
     else:
-        status, error = "exited", f"exited with code {rc} before the tests finished"
+        status, error = ended(rc, limits)
     if error is None:
         prog_err = next((r[3] for r in records if r[0] == "program" and not r[2]), None)
         said = [x for x in tail.splitlines() if x.startswith("grpo-candidate: ")]

@@ -6,6 +6,7 @@ left running, and the scorer's environment is intact."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +27,19 @@ pytestmark = pytest.mark.skipif(not ISOLATED, reason="no sandbox isolation on th
 SPEC = ToolSpec(timeout_s=4.0, memory_mb=512, max_tool_output_tokens=32)
 
 
-@pytest.fixture(scope="module")
-def calls():
+@pytest.fixture(
+    scope="module",
+    params=[(iso, mode) for iso in ("bwrap", "namespaces") for mode in ("warm", "fresh")],
+    ids=lambda p: f"{p[0]}-{p[1]}",
+)
+def calls(request):
+    """The hostile suite as tool calls, under each isolation, on a warm sandbox (a clean
+    process forked per call) and on a fresh sandbox per call."""
+    iso, mode = request.param
+    try:
+        detect_isolation(iso)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
@@ -36,7 +48,7 @@ def calls():
     mp = pytest.MonkeyPatch()
     mp.setenv("GRPO_SANDBOX_SECRET", SECRET)
     programs = hostile(port)
-    tool = PythonTool(SPEC)
+    tool = PythonTool(dataclasses.replace(SPEC, isolation=iso, sandbox=mode, workers=2))
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:  # as the turn loop runs a turn's calls
             observations = list(pool.map(tool.run, programs.values()))
@@ -72,6 +84,8 @@ def test_failures_say_why(calls):
     observations, _, _ = calls
     assert observations["infinite_loop"].error  # CPU limit or wall clock
     assert observations["memory_bomb"].error
+    assert observations["sleep_forever"].error.startswith("timeout")
+    assert observations["fork_bomb"].error  # its forks refused, it loops to its limit
 
 
 def test_a_flood_of_output_is_cut_and_the_next_call_still_runs():
