@@ -43,6 +43,11 @@ class MultiplyConfig(Section):
         description="half the SFT problems have a 4-digit product, half a 5-digit one (swapped "
         "with RL problems; about a fifth of all products have 4 digits)",
     )
+    balance_rl: bool = Field(
+        False,
+        description="the RL split holds as many 4-digit products as 5-digit ones (the surplus "
+        "5-digit ones dropped): RL samples both kinds equally often",
+    )
 
 
 class DataConfig(Section):

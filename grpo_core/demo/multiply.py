@@ -55,6 +55,18 @@ def balance_lengths(pairs: list[tuple[int, int]], start: int, stop: int) -> None
         pairs[i], pairs[j] = pairs[j], pairs[i]
 
 
+def balance_rest(pairs: list[tuple[int, int]], start: int) -> list[tuple[int, int]]:
+    """``pairs`` with the problems from ``start`` on (the RL split) cut to as many 5-digit
+    products as there are 4-digit ones, alternating: RL then samples both kinds equally
+    often, where about a fifth of all products have 4 digits (the split shrinks to about
+    two fifths of its size)."""
+    rest = pairs[start:]
+    fours = [p for p in rest if p[0] * p[1] < 10_000]
+    fives = [p for p in rest if p[0] * p[1] >= 10_000]
+    n = min(len(fours), len(fives))
+    return pairs[:start] + [p for pair in zip(fours[:n], fives[:n], strict=True) for p in pair]
+
+
 def make_splits(
     seed: int,
     n_sft: int,
@@ -64,10 +76,12 @@ def make_splits(
     *,
     tools: bool = True,
     balance_sft: bool = False,
+    balance_rl: bool = False,
 ) -> DemoSplits:
     """Disjoint splits of 3-digit x 2-digit products; SFT rows carry the tool-using trace
     (``tools``) or the worked one; ``balance_sft``: as many 4-digit products as 5-digit ones
-    in the SFT split (:func:`balance_lengths`)."""
+    in the SFT split (:func:`balance_lengths`); ``balance_rl``: the RL split holds as many of
+    each (:func:`balance_rest`)."""
     n_total = n_sft + n_rl + n_dev + n_eval
     space = 900 * 90
     if n_total > space:
@@ -82,6 +96,8 @@ def make_splits(
             pairs.append(p)
     if balance_sft:
         balance_lengths(pairs, n_eval + n_dev, n_eval + n_dev + n_sft)
+    if balance_rl:
+        pairs = balance_rest(pairs, n_eval + n_dev + n_sft)
     trace = tool_trace if tools else worked_trace
     return split_rows(
         pairs,

@@ -104,3 +104,12 @@ def test_an_empty_marker_is_refused_not_an_endless_loop():
         load_config(None, ['sft.mask_spans=[["", "</x>"]]'])
     with pytest.raises(ValueError, match="non-empty"):
         split_spans("abc", (("<x>", ""),))
+
+
+def test_a_balanced_rl_split_samples_both_lengths_equally_and_leaves_the_rest():
+    natural = multiply.make_splits(1, 400, 4000, 50, 100, balance_sft=True)
+    balanced = multiply.make_splits(1, 400, 4000, 50, 100, balance_sft=True, balance_rl=True)
+    four = sum(len(r["answer"]) == 4 for r in balanced.rl)
+    assert four * 2 == len(balanced.rl) and four == sum(len(r["answer"]) == 4 for r in natural.rl)
+    assert (balanced.eval, balanced.dev, balanced.sft) == (natural.eval, natural.dev, natural.sft)
+    assert all(r in natural.rl for r in balanced.rl)  # the surplus 5-digit ones dropped
