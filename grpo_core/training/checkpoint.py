@@ -344,14 +344,19 @@ def saved_tokenizer(path: str | Path, **kwargs):
     as is; any other through ``AutoTokenizer`` (``kwargs``: its options)."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    folder = Path(path)
+    if _plain_tokenizer(Path(path)):
+        return PreTrainedTokenizerFast.from_pretrained(str(path), **kwargs)
+    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+
+
+def _plain_tokenizer(folder: Path) -> bool:
+    """Whether ``folder`` holds a plain fast tokenizer: its tokenizer.json, saved under a
+    generic class name."""
     try:
         saved = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
-        saved = None
-    if saved in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
-        return PreTrainedTokenizerFast.from_pretrained(str(folder), **kwargs)
-    return AutoTokenizer.from_pretrained(str(path), **kwargs)
+        return False
+    return saved in _GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file()
 
 
 def plain_tokenizer_folder(path: str | Path) -> Path | None:
@@ -363,11 +368,7 @@ def plain_tokenizer_folder(path: str | Path) -> Path | None:
     import tempfile
 
     folder = Path(path)
-    try:
-        saved = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None
-    if saved not in _GENERIC_TOKENIZERS or not (folder / "tokenizer.json").is_file():
+    if not _plain_tokenizer(folder):
         return None
     out = Path(tempfile.mkdtemp(prefix="grpo-tokenizer-"))
     for f in folder.iterdir():
