@@ -139,7 +139,7 @@ def check_run(cfg) -> None:
 
 def _tokenizer_of(checkpoint):
     def load():
-        from grpo_core.training.checkpoint import saved_tokenizer
+        from grpo_core.training.tokenizers import saved_tokenizer
 
         return saved_tokenizer(checkpoint, local_files_only=True)
 

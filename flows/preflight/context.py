@@ -23,7 +23,7 @@ def _model(cfg):
             return None, None  # check_checkpoint reports it
 
         def tokenizer():
-            from grpo_core.training.checkpoint import saved_tokenizer
+            from grpo_core.training.tokenizers import saved_tokenizer
 
             return saved_tokenizer(path, local_files_only=True)
 

@@ -104,7 +104,7 @@ def rollout_table(
     texts = {i: row_prompt_text(tokenizer, rows[i]) for i in hashes}
     # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
-    env_rewards = any(getattr(s, "env", None) is not None for s in samples)
+    env_rewards = any(s.env is not None for s in samples)
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -132,7 +132,7 @@ def rollout_table(
             rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
         if env_rewards:
-            env = getattr(s, "env", None) or {}
+            env = s.env or {}
             rec["env_reward"] = env.get("reward")
             rec["env_reward_error"] = env.get("error")
         for k, v in row.items():

@@ -187,11 +187,12 @@ class VLLMEngine:
                 os.environ.setdefault(key, value)
             else:
                 os.environ[key] = value
-        from grpo_core.training.checkpoint import load_tokenizer, plain_tokenizer_folder
+        from grpo_core.training.checkpoint import load_tokenizer
+        from grpo_core.training.tokenizers import plain_tokenizer_folder
 
         vllm = _import_vllm()
         # a plain fast tokenizer beside a Qwen2/Llama model: vLLM's AutoTokenizer would build
-        # the model type's tokenizer class instead (grpo_core/training/checkpoint.py:
+        # the model type's tokenizer class instead (grpo_core/training/tokenizers.py:
         # saved_tokenizer); it reads the saved one from a folder without the model config
         plain = plain_tokenizer_folder(checkpoint) if "tokenizer" not in opts.llm_kwargs else None
         set_threads = torch.set_num_threads  # the CPU worker replaces it process-wide

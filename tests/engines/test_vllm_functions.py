@@ -14,10 +14,9 @@ import pytest
 
 from grpo_core.config.tools import ToolSpec
 from grpo_core.contracts.text import row_prompt_ids
-from grpo_core.engines import get_engine, vllm_available
+from grpo_core.engines import vllm_available
 from grpo_core.engines.functions import function_schemas
-from grpo_core.engines.generation import SamplingParams
-from grpo_core.engines.turns import run_turns
+from tests.engines.test_vllm_tools import episodes_on_both_engines
 
 pytestmark = pytest.mark.skipif(
     not vllm_available(),
@@ -59,20 +58,7 @@ def test_vllm_function_tool_episodes_equal_the_hf_engines(taught):
     path, prompts = taught
     spec = ToolSpec(tools=("functions",), functions=("calculator",), max_turns=2,
                     max_tool_output_tokens=40)  # fmt: skip
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=120)
-    hf = get_engine("hf", checkpoint=path)
-    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=1024)
-    try:
-        want = run_turns(hf, prompts, greedy, desc="hf", progress=False, tools=spec)
-        got = run_turns(vl, prompts, greedy, desc="vllm", progress=False, tools=spec)
-    finally:
-        vl.close()
+    want = episodes_on_both_engines(path, prompts, spec, 120, 1024)
     tool_turns = [t for s in want for t in s.turns if t["role"] == "tool"]
     assert len(tool_turns) >= len(prompts) // 2
     assert all(t["error"] is None and "<tool_response>" in t["text"] for t in tool_turns)
-    for w, g in zip(want, got, strict=True):
-        assert g.completion_ids == w.completion_ids
-        assert g.loss_mask == w.loss_mask
-        assert [(t["role"], t["start"], t["end"]) for t in g.turns] == [
-            (t["role"], t["start"], t["end"]) for t in w.turns
-        ]

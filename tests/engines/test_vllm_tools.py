@@ -38,21 +38,29 @@ def taught(tmp_path_factory):
     return out, [encode_prompt(tok, r["prompt"]) for r in splits.eval]
 
 
-def test_vllm_episodes_equal_the_hf_engines(taught):
-    path, prompts = taught
-    spec = ToolSpec(max_turns=2, max_tool_output_tokens=16)
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=48)
+def episodes_on_both_engines(path, prompts, spec, max_new_tokens, max_model_len):
+    """Greedy episodes of ``prompts`` with ``spec``'s tools on the hf engine and on vllm
+    (float32); asserts they are equal token for token, masks and turn spans included, and
+    returns the hf engine's."""
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     hf = get_engine("hf", checkpoint=path)
-    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=256)
+    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=max_model_len)
     try:
         want = run_turns(hf, prompts, greedy, desc="hf", progress=False, tools=spec)
         got = run_turns(vl, prompts, greedy, desc="vllm", progress=False, tools=spec)
     finally:
         vl.close()
-    assert sum(t["role"] == "tool" for s in want for t in s.turns) >= len(prompts) // 2
     for w, g in zip(want, got, strict=True):
         assert g.completion_ids == w.completion_ids
         assert g.loss_mask == w.loss_mask
         assert [(t["role"], t["start"], t["end"]) for t in g.turns] == [
             (t["role"], t["start"], t["end"]) for t in w.turns
         ]
+    return want
+
+
+def test_vllm_episodes_equal_the_hf_engines(taught):
+    path, prompts = taught
+    spec = ToolSpec(max_turns=2, max_tool_output_tokens=16)
+    want = episodes_on_both_engines(path, prompts, spec, 48, 256)
+    assert sum(t["role"] == "tool" for s in want for t in s.turns) >= len(prompts) // 2
