@@ -3,7 +3,7 @@ local engine process (cluster/engine_process.py) runs too, so that it needs no e
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from cluster.state import STATE
 from grpo_core.engines import WarmEngines
@@ -35,15 +35,20 @@ def engine_for(
     )
 
 
-def sample_here(engines: WarmEngines, policy, prompt_ids: list[list[int]], request: SampleRequest):
+def sample_here(
+    engines: WarmEngines,
+    policy,
+    prompt_ids: list[list[int]],
+    request: SampleRequest,
+    *,
+    offload: Callable[[], None] | None = None,
+):
     """``request`` for each prompt through the turn loop, with the engine of ``engines``
-    holding ``policy`` (the warm policy's optimizer moved to CPU memory first with
-    ``offload_optimizer``); the engine sleeps after."""
-    train = getattr(policy, "train", None)  # the warm policy's optimizer, if it trained
-    if request.engine_options.get("offload_optimizer") and train is not None:
-        from grpo_core.training import offload  # back before the next step: tasks/policies/memo.py
-
-        offload.offload(train.optimizer)  # before the engine wakes: room for its KV cache
+    holding ``policy``; with ``offload_optimizer``, ``offload()`` first (the learner's
+    optimizer state to CPU memory, room for the engine's KV cache; back before its next
+    step); the engine sleeps after."""
+    if request.engine_options.get("offload_optimizer") and offload is not None:
+        offload()
     eng = engine_for(
         engines, policy, request.engine, request.engine_options, check_sync=request.check_sync
     )

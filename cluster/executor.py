@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from cluster.config import ClusterConfig
 from cluster.engines_here import engine_for, sample_here, with_lora_rank
+from cluster.policies import Policies
 from grpo_core.engines import WarmEngines
 from grpo_core.engines.turns import SampleRequest, TurnEngine
 from grpo_core.rewards.scoring import ScoreRequest
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 class Policy(Protocol):
     """The policy to sample from: its weights in memory and the checkpoint they came from
-    (``tasks/policies/memo.py: CachedPolicy``)."""
+    (a read-only handle: tasks/policies/lineage.py)."""
 
     checkpoint: Path
     policy_id: str
@@ -59,12 +60,13 @@ class Local:
     def __init__(self, cfg: ClusterConfig | None = None) -> None:
         self.cfg = cfg or ClusterConfig()
         self.engines = WarmEngines()  # kept alive across iterations, weights synced in memory
+        self.policies = Policies()  # the learner the stages train, models loaded to sample
         self.held: dict[str, Any] = {}  # policy_id -> engine_process.Snapshot
         self._engine_process = None  # started with the first snapshot sampled
         self._threads: int | None = None  # torch threads before an overlapping stage
 
     def hold(self, policy_id: str, load: Callable[[], Policy], source: str | Path) -> None:
-        """Freeze the weights of ``policy_id`` (``load()``: the warm policy holding them)
+        """Freeze the weights of ``policy_id`` (``load()``: a handle on them)
         now, for a rollout that runs while the trainer goes on (``source``: a checkpoint
         folder of their architecture, the stage's initial one)."""
         from cluster import engine_process
@@ -102,7 +104,7 @@ class Local:
 
     def eval_sampler(self, policy: Policy, request: SampleRequest):
         """What generates a held-out eval's completions of ``policy``: None (HF generate on
-        the warm policy in this process), or this process's warm engine; with an environment
+        the policy in memory in this process), or this process's warm engine; with an environment
         (``request.tools``), that engine through the turn loop."""
         if request.engine == "hf" and not request.tools:
             return None
@@ -148,7 +150,8 @@ class Local:
         process's engine; a held snapshot's with the engine process."""
         if policy.model is None:  # a snapshot (:meth:`hold`): the engine process samples it
             return self._elsewhere().sample(policy, prompt_ids, request)
-        return sample_here(self.engines, policy, prompt_ids, request)
+        offload = self.policies.optimizer_to_cpu
+        return sample_here(self.engines, policy, prompt_ids, request, offload=offload)
 
     def score(self, request: ScoreRequest):
         """``request`` (grpo_core/rewards/scoring.py) scored in this process."""
@@ -167,6 +170,7 @@ class Local:
         return run(**kwargs)
 
     def close(self) -> None:
+        self.policies.clear()  # the learner's queued checkpoint writes finish
         self.engines.close()
         if self._engine_process is not None:
             self._engine_process.close()

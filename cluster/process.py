@@ -11,14 +11,12 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 - ``store`` / ``store_env``: the run folder's shared store (cluster/storage.py), or None, and
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
-- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policies/memo.py loads
-  with it, and the stage cache keys name what of it changes results);
-- ``trained_policy``: where this process's policies in memory are found by ``policy_id``
-  (the run context and the trainer ranks pass ``tasks/policies/memo.py: holding``), for a trainer rank sending its weights to the
-  rollout replicas (cluster/weight_bus.py).
+- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policies/lineage.py
+  loads with it, and the stage cache keys name what of it changes results).
 
 What else a process keeps are caches and records of what it has open, each beside the code
-that uses it and emptied by it: the policies in memory (tasks/policies/memo.py), the Ray rollout
+that uses it and emptied by it: the policies in memory (the executor's, cluster/policies.py:
+the learner the stages train and what was loaded read-only), the Ray rollout
 replicas and trainer group (cluster/rollout_workers.py, cluster/trainer_group.py), the MLflow
 runs it has open (tasks/tracking/run_states.py, for the signal handlers) and the workspace locks it
 holds (flows/lock.py).
@@ -26,7 +24,6 @@ holds (flows/lock.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from cluster.config import ClusterConfig
@@ -43,13 +40,12 @@ def set_up(
     store_url: str | None,
     local: Any,
     store_options: dict | None = None,
-    trained_policy: Callable[[str], Any] | None = None,
 ) -> ProcessState:
     """Set this process up for one config: its cluster setting, its shared store (None: no
-    ``storage.url``), how it loads policies and where its trained policies are found."""
+    ``storage.url``) and how it loads policies."""
     from cluster import runtime, storage
 
     storage.configure(store_url, local, store_options)
     runtime.configure(cluster)
-    load_policies_with(model, trained_policy)
+    load_policies_with(model)
     return STATE

@@ -7,7 +7,6 @@ cluster/process.py's docstring."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,20 +21,14 @@ class ProcessState:
     store: Any = None  # cluster/storage.py: RunStore, or None
     store_env: str | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
-    trained_policy: Callable[[str], Any] | None = None
 
 
 STATE = ProcessState()
 
 
-def load_policies_with(
-    model: ModelConfig, trained_policy: Callable[[str], Any] | None = None
-) -> None:
+def load_policies_with(model: ModelConfig) -> None:
     """How this process loads policies from now on: the run context's ``model`` section, or
     the one a trainer rank is handed (cluster/trainer_group.py runs ranks in other
-    processes). Models already in memory that were loaded otherwise are not reused.
-    ``trained_policy(policy_id)``: the model in memory holding those weights, or None
-    (``tasks/policies/memo.py: holding``; kept when not given)."""
+    processes). Models already in memory that were loaded otherwise are not reused
+    (tasks/policies/lineage.py)."""
     STATE.model = model
-    if trained_policy is not None:
-        STATE.trained_policy = trained_policy

@@ -9,7 +9,7 @@ given with that rank's ``grpo_core.training.distributed.DataParallel`` (``None``
 
 The actors live as long as the group: it is created on the first update and reused by every
 later one while the ``cluster:`` settings and the Ray connection stay the same, so a model an
-actor trained stays in that actor's memory (``tasks/policies/memo.py``) for the next iteration.
+actor trained stays in that actor's memory (its learner: cluster/policies.py) for the next iteration.
 :func:`release` (or the end of the process) stops them.
 
 A rank that dies or raises ends the whole group (the others would wait in a collective

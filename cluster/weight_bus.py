@@ -177,11 +177,11 @@ def receive(
 
 
 def _trained(policy_id: str):
-    """The model this trainer rank holds with the weights ``policy_id``, else None (the
-    policy cache registers where its policies are: cluster/process.py)."""
-    from cluster.state import STATE
+    """The model this trainer rank's learner holds with the weights ``policy_id``, else None
+    (cluster/policies.py)."""
+    from cluster import runtime
 
-    return STATE.trained_policy(policy_id) if STATE.trained_policy is not None else None
+    return runtime.executor().policies.holding(policy_id)
 
 
 def _rank(data_parallel) -> int:

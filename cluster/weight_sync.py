@@ -2,7 +2,7 @@
 the policy the trainer group just trained, device to device.
 
 :func:`broadcast` asks the trainer ranks whether they hold the policy (after an update they
-do: tasks/policies/memo.py keeps it warm) and for its tensors' names, shapes and dtypes; opens
+do: the learner keeps it in memory) and for its tensors' names, shapes and dtypes; opens
 the bus when there is none for these members (the first sync, a replica replaced, a new
 trainer group); then starts every replica's receive and the trainer ranks' send together. It
 returns False when the trainer group does not hold the policy (a stage's first policy, a

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     apply_defaults(cfg.output_dir)
     RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.training.distributed import process_group
-    from tasks.policies import memo as policy_memo
+    from tasks.policies import lineage, loading
     from tasks.update import UpdateRequest, update_from_file
 
     with process_group(args.backend, args.strategy, args.fsdp_param_dtype) as dp:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": res.seconds,
                 "loss": last.get("loss"),
                 # the model the ranks trained, as the config's model section loaded it
-                "model": policy_memo.describe(policy_memo.warm().model),
+                "model": loading.describe(lineage.held().learner.model),
             }
             print(json.dumps(summary), flush=True)
     return 0

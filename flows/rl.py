@@ -4,8 +4,8 @@ iterations and at the end. Its MLflow curves are plotted against iterations unde
 keys of tasks/tracking/charts.py; its Prefect artifact is flows/rl_report.py's.
 
 Each iteration's rollouts, scores and policy record (tasks/policies/ref.py) land under
-``<stage>/iter_NNNN/``; the policy stays warm in this process between tasks
-(tasks/policies/memo.py). The full train state is kept every ``rl.save_steps`` iterations and
+``<stage>/iter_NNNN/``; the policy stays in memory between tasks, held by the learner the
+stage trains (tasks/policies/lineage.py). The full train state is kept every ``rl.save_steps`` iterations and
 at the end, written in the background, and only the last ``rl.save_total_limit`` of those
 stay; a rerun that needs an iteration in between replays the updates from the nearest kept
 state on the cached scored files (no generation, no scoring). The stage's final policy is
@@ -33,7 +33,7 @@ from grpo_core import rewards
 from grpo_core.config.stages import EvalConfig, RLConfig
 from grpo_core.contracts.io import atomic_path, link_tree
 from grpo_core.training.checkpoint import POLICY_ID, policy_id, save_checkpoint
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage
 from tasks.policies import ref as policy_ref
 from tasks.results import RLStageOutcome
 from tasks.rollout import is_cached, rollout
@@ -43,7 +43,6 @@ from tasks.tracking.charts import chart_metrics
 from tasks.tracking.runs import stage_run
 from tasks.tracking.stages import Tracking
 from tasks.update import UpdateRequest, update
-from tasks.update import policy as load_policy
 from tasks.workspace import Workspace
 
 # while a stage trains, its curves reach MLflow at most this often (and at its end)
@@ -140,6 +139,8 @@ class _StageTasks:
         """Iteration ``it``'s rollout and scoring results and the numbers the schedule adds."""
         if self.overlap is not None:
             return self.overlap.take(it)
+        if self.force or not is_cached(*self._args(it, policy)):
+            lineage.resolve(policy)  # weights a rerun's cached updates left unkept: replayed
         roll = named(rollout, f"{self.name}/rollout-{it}")(
             *self._args(it, policy), force=self.force
         )
@@ -183,7 +184,7 @@ class _StageTasks:
     def policy_known(self, j: int, policy: str) -> None:
         """The async schedule starts the rollouts ``policy`` (``P_j``) samples."""
         if self.overlap is not None:
-            self.overlap.policy_known(j, policy, policy_memo.policy_id(policy))
+            self.overlap.policy_known(j, policy, policy_ref.policy_id(policy))
 
     def __enter__(self) -> _StageTasks:
         """With ``rl.async_level`` > 0, the async schedule; its first rollouts are
@@ -198,7 +199,7 @@ class _StageTasks:
             self.submit,
             cached=lambda it, policy: not self.force and is_cached(*self._args(it, policy)),
             executor=executor,
-            load=load_policy,
+            load=_sampleable,
             source=self.init_checkpoint,
         )
         self.policy_known(0, self.init_checkpoint)
@@ -239,7 +240,7 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
     path."""
     kept = policy_ref.saved_at(policy)
     if kept is None:  # pruned, or lost with its background write: the weights are in memory
-        w = load_policy(policy)
+        w = _sampleable(policy)
         with atomic_path(final) as tmp:
             save_checkpoint(w.model, w.tokenizer, tmp, expected_id=w.policy_id)
         storage.publish(final)
@@ -247,8 +248,15 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
         with atomic_path(final) as tmp:
             link_tree(kept, tmp)
         storage.publish(final)
-    policy_memo.relabel(final)  # same weights as the last iteration's checkpoint
+    lineage.relabel(policy_id(final), final)  # same weights as the last iteration's
     return final
+
+
+def _sampleable(policy: str):
+    """A handle on ``policy``'s weights, replayed into the learner first when a rerun's
+    cached updates left them neither in memory nor on disk."""
+    lineage.resolve(policy)
+    return lineage.handle(policy)
 
 
 @dataclass
@@ -274,7 +282,7 @@ class SavePoints:
         n, lag = self.rl.iterations, self.rl.async_level
         for it in range(max(0, n - lag), n):
             self._prune(it)
-        policy_memo.WRITER.drain()  # the kept checkpoints are in place
+        lineage.drain()  # the kept checkpoints are in place
 
     def _prune(self, it: int) -> None:
         rl = self.rl
@@ -286,7 +294,7 @@ class SavePoints:
             path = self.ws.iteration_checkpoint(self.stage, j)
             if not path.exists():
                 continue
-            if policy_memo.WRITER.is_pending(path):
-                policy_memo.WRITER.drain()
+            if lineage.is_pending(path):
+                lineage.drain()
             shutil.rmtree(path, ignore_errors=True)
             storage.remove(path)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
 from grpo_core.config.stages import EvalConfig, RLConfig
-from tasks.evaluate import evaluate_checkpoint
-from tasks.policies import memo as policy_memo
+from tasks.evaluate import evaluate_checkpoint, is_cached
+from tasks.policies import lineage
+from tasks.policies import ref as policy_ref
 from tasks.results import EvalOutcome
 from tasks.run_log import logger
 from tasks.tracking.charts import chart_metrics, eval_point, iteration_means, step_metrics
@@ -28,6 +29,10 @@ class HeldOut:
     force: bool = False
 
     def __call__(self, checkpoint: str, out_table: Path, desc: str) -> EvalOutcome:
+        if self.force or not is_cached(
+            checkpoint, self.eval_path, self.cfg, str(out_table), self.engine
+        ):
+            lineage.resolve(checkpoint)  # weights a rerun's cached updates left unkept: replayed
         return evaluate_checkpoint(
             checkpoint,
             self.eval_path,
@@ -123,7 +128,7 @@ class StageLog:
         done = it + 1
         ev = self.held_out(policy, done, step, table)
         self.blocks.last_table = ev.table
-        self.blocks.group.end(done, eval_point(ev.summary_metrics()), policy_memo.policy_id(policy))
+        self.blocks.group.end(done, eval_point(ev.summary_metrics()), policy_ref.policy_id(policy))
         # the training completions the MLflow UI pages through, at this eval point
         self.tracking.log_table(
             self.run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json"
@@ -141,7 +146,7 @@ class StageLog:
         """The stage's last tags and metrics, its eval history and Prefect report; returns
         its wall time (from ``t0``)."""
         stage_tags = {
-            "policy_id": policy_memo.policy_id(final),
+            "policy_id": policy_ref.policy_id(final),
             "cached": str(reused == iterations).lower(),
             # bookkeeping: tags, not metrics
             "global_step": str(step),

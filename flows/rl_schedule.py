@@ -45,7 +45,7 @@ class Overlap:
     ``submit(it, policy)`` starts iteration ``it``'s rollout and scoring tasks sampled by
     ``policy`` and returns their two futures; ``cached(it, policy)`` says whether the
     rollout file is there already; ``executor.hold`` freezes the weights otherwise
-    (``load()`` gives the warm policy)."""
+    (``load()`` gives a handle on its weights)."""
 
     k: int
     iterations: int

@@ -7,7 +7,7 @@ data-parallel update's ranks (flows/ddp_update.py) and the benchmarks. Opening i
 - creates the run folder (``Workspace.create``: the ``.grpo-run`` marker);
 - sets the process up (cluster/process.py, the one place of that state): its shared store
   at ``storage.url`` (cluster/storage.py), how policies are loaded (``model.dtype``,
-  ``model.lora``, ...: tasks/policies/memo.py) and where rollouts, scoring and updates run
+  ``model.lora``, ...: tasks/policies/loading.py) and where rollouts, scoring and updates run
   (``cluster.backend``: cluster/runtime.py);
 - sets the code sandbox's isolation when the config names one (the code rewards of this
   process and of the processes it starts read ``GRPO_SANDBOX_ISOLATION``);
@@ -34,7 +34,6 @@ class RunContext:
     @classmethod
     def open(cls, cfg: PipelineConfig) -> RunContext:
         from cluster import process
-        from tasks.policies import memo as policy_memo
 
         ws = Workspace.create(cfg.output_dir, cfg.run_name)
         url = cfg.storage.url and f"{cfg.storage.url.rstrip('/')}/{cfg.run_name}"
@@ -44,7 +43,6 @@ class RunContext:
             store_url=url,
             local=ws.root,
             store_options=cfg.storage.options,
-            trained_policy=policy_memo.holding,
         )
         if "sandbox" in cfg.model_fields_set:
             from grpo_core.sandbox.isolation import ISOLATION_ENV

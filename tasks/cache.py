@@ -102,11 +102,9 @@ def stage_key(
 ) -> str:
     """``code``: the user functions (environments, rewards) the stage runs, by name
     (:func:`user_code`)."""
-    from tasks.policies import (
-        memo as policy_memo,  # how policies are loaded (model.dtype, lora, ...): tasks/policies/memo.py
-    )
+    from tasks.policies import loading  # how policies are loaded (model.dtype, lora, ...)
 
-    model = policy_memo.options_key()
+    model = loading.options_key()
     users = user_code(code)
     blob = json.dumps(
         {

@@ -16,7 +16,7 @@ from grpo_core.contracts.io import atomic_path, write_parquet
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, lookup, stage_key, tool_code
-from tasks.policies import memo as policy_memo
+from tasks.policies import loading
 from tasks.results import EvalOutcome
 from tasks.rollout import HF_ENGINE, policy_for
 from tasks.run_log import logger, timer
@@ -41,11 +41,7 @@ def evaluate_checkpoint(
     engine = engine or HF_ENGINE
     if out_table is None:
         return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
-    settings = {**cfg.model_dump(), "engine": engine["name"]}
-    if engine.get("tools"):  # the environment the policy acts in
-        settings["tools"] = engine["tools"]
-    code = (cfg.accuracy_reward, cfg.format_reward, *tool_code(settings.get("tools")))
-    key = stage_key("eval", settings, [checkpoint, eval_path], code=code)
+    key = eval_key(checkpoint, eval_path, cfg, engine)
 
     def compute() -> EvalOutcome:
         hit = None if force or not same_as else lookup(same_as, key)
@@ -60,6 +56,23 @@ def evaluate_checkpoint(
     return cached(desc, out_table, key, compute, force=force)
 
 
+def eval_key(checkpoint: str, eval_path: str, cfg: EvalConfig, engine: dict | None) -> str:
+    """The eval's cache key: its settings, the engine (and environment) that samples, the
+    reward code, and the contents of the policy and the held-out rows."""
+    engine = engine or HF_ENGINE
+    settings = {**cfg.model_dump(), "engine": engine["name"]}
+    if engine.get("tools"):  # the environment the policy acts in
+        settings["tools"] = engine["tools"]
+    code = (cfg.accuracy_reward, cfg.format_reward, *tool_code(settings.get("tools")))
+    return stage_key("eval", settings, [checkpoint, eval_path], code=code)
+
+
+def is_cached(checkpoint, eval_path, cfg: EvalConfig, out_table, engine=None) -> bool:
+    """Whether :func:`evaluate_checkpoint` would reuse ``out_table`` (then the policy's
+    weights are not needed)."""
+    return lookup(out_table, eval_key(checkpoint, eval_path, cfg, engine)) is not None
+
+
 def _evaluate(
     checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
 ) -> EvalOutcome:
@@ -72,7 +85,7 @@ def _evaluate(
     # no weights in this process), this process's warm engine (vllm), or HF generate on the
     # warm policy (None)
     executor = runtime.executor()
-    load = policy_memo.options().load_kwargs(trainer=False)
+    load = loading.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, None, load_options=load, desc="eval")
     w = policy_for(executor, checkpoint, request)
     eng = executor.eval_sampler(w, request)

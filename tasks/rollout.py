@@ -24,10 +24,10 @@ from grpo_core.contracts.text import row_prompt_ids
 from grpo_core.engines.context import check_prompt_lengths, model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key, tool_code
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage, loading
+from tasks.policies import ref as policy_ref
 from tasks.results import RolloutOutcome
 from tasks.run_log import logger, timer
-from tasks.update import policy
 
 
 def cached_rows(path: str) -> list[dict]:
@@ -95,11 +95,11 @@ def write_rollouts(
     in memory) and write the rollout Parquet; returns path and generation metrics."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
     # load_options: a process that loads its own copy loads it as this one does
-    load = policy_memo.options().load_kwargs(trainer=False)
+    load = loading.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
     if request.tools:  # the environment starts each episode from its data row
         request = dataclasses.replace(request, rows=tuple(rows))
-    held = executor.held_policy(policy_memo.policy_id(policy_path))
+    held = executor.held_policy(policy_ref.policy_id(policy_path))
     w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
     prompt_ids = [row_prompt_ids(w.tokenizer, r) for r in rows]
     check_prompt_lengths(
@@ -120,14 +120,14 @@ def write_rollouts(
 
 
 def policy_for(executor, checkpoint: str, request: SampleRequest):
-    """The policy to sample from: the warm policy, or, where the executor's samplers load
-    the weights themselves (the rollout replicas), a handle without them
-    (``tasks/policies/files.py``)."""
+    """The policy to sample from: a read-only handle on its weights in memory
+    (tasks/policies/lineage.py), or, where the executor's samplers load the weights
+    themselves (the rollout replicas), one without them (``tasks/policies/files.py``)."""
     if not executor.wants_weights(request):
         from tasks.policies.files import files
 
         return files(checkpoint)
-    return policy(checkpoint)
+    return lineage.handle(checkpoint)
 
 
 def _metadata(policy_path, engine: dict, params, shards: int, dtype: str) -> dict:

@@ -19,9 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.config.stages import SFTConfig
 from grpo_core.contracts.prompts import load_rows
-from grpo_core.training.checkpoint import save_checkpoint
+from grpo_core.training.checkpoint import policy_id, save_checkpoint
 from tasks.cache import cached, stage_key, tool_code
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage, loading
 from tasks.results import SFTOutcome
 from tasks.run_log import logger, pull, timer
 from tasks.tracking.runs import stage_run
@@ -60,9 +60,10 @@ def train_stage(
     dp = data_parallel or LOCAL
     pull(init_checkpoint, data_path, dev_path)  # a rank on a node without the run folder
     rows = load_rows(data_path, required=("prompt", "completion"))
-    w = policy_memo.get(init_checkpoint, mutate=True, lora_base=init_checkpoint)
+    w = lineage.learner_at(init_checkpoint, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
-    dp.prepare_model(w.model, lora=bool(policy_memo.lora_info(w)))  # ranks: equal, or sharded
+    w.policy_id = None  # the weights change from here: no id until they are saved
+    dp.prepare_model(w.model, lora=bool(w.lora_info()))  # ranks: equal, or sharded
     dev_rows = load_rows(dev_path) if dev_path and cfg.target_accuracy is not None else None
     log.info(
         "%s: %d examples, up to %d steps from %s", stage, len(rows), cfg.max_steps, init_checkpoint
@@ -85,8 +86,8 @@ def train_stage(
             parallel=dp,
         )
     info = {"stage": stage, "steps": result.steps, "resumed_from": result.resumed_from}
-    _save(w, out_checkpoint, {**info, **policy_memo.lora_info(w)}, dp)
-    policy_memo.put(out_checkpoint, w)
+    _save(w, out_checkpoint, {**info, **w.lora_info()}, dp)
+    w.trained(out_checkpoint, policy_id(out_checkpoint))
     log.info(
         "%s: %d steps in %.1fs, final loss %.4f, peak memory %.2f GiB%s",
         stage,
@@ -125,7 +126,7 @@ def _save(w, out_checkpoint: str, info: dict, dp) -> None:
 def sft_on_rank(data_parallel, model_options, **kwargs) -> SFTOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`train_stage` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options, trained_policy=policy_memo.holding)
+    process.load_policies_with(model_options)
     return train_stage(**kwargs, data_parallel=data_parallel)
 
 
@@ -137,7 +138,7 @@ def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
 
     out = runtime.executor().update(
         functools.partial(train_stage, on_step=on_step, on_resume=on_resume),
-        functools.partial(sft_on_rank, model_options=policy_memo.options()),
+        functools.partial(sft_on_rank, model_options=loading.options()),
         kwargs,
         what=f"{kwargs['stage']} SFT",
         out_checkpoint=kwargs["out_checkpoint"],

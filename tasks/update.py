@@ -10,7 +10,6 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -18,10 +17,9 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.config.rl import update_unkeyed
 from grpo_core.config.stages import RLConfig
-from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import save_checkpoint
 from tasks.cache import cached, stage_key
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage, loading
 from tasks.policies import ref as policy_ref
 from tasks.policies.ref import PolicyRef
 from tasks.results import UpdateOutcome
@@ -73,12 +71,13 @@ def update_from_file(
     background: bool = False,
 ) -> UpdateOutcome:
     """GRPO steps on the request's ``scored_path`` from its ``policy_path``, saved to
-    ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the next iteration of
-    the stage continues from (``tasks/policies/memo.py: train_state``).
+    ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the
+    next iteration of the stage continues from. The learner (tasks/policies/lineage.py:
+    ``learner_at``, which resolves the policy's lineage) trains and keeps the new weights.
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
     stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
-    process's checkpoint is written by ``policy_memo.WRITER`` (the caller drains it);
+    process's checkpoint is written by the learner's writer (the stage drains it);
     data-parallel ranks write every update's, synchronously (:func:`_save`).
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
@@ -89,7 +88,6 @@ def update_from_file(
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
     rank 0 alone writes the checkpoint.
     """
-    from grpo_core.algorithm import iteration
     from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.training.parallel import LOCAL
 
@@ -101,22 +99,18 @@ def update_from_file(
     pull(
         r.policy_path,
         r.reference_checkpoint if rl.beta > 0 else None,
-        init if policy_memo.options().lora is not None else None,  # the LoRA adapter's base
+        init if loading.options().lora is not None else None,  # the LoRA adapter's base
     )
-    w = policy(r.policy_path, mutate=True, lora_base=init)
+    learner = lineage.learner_at(r.policy_path, lora_base=init)
     dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/training/parallel.py)
-    if dp.prepare_model(w.model, lora=bool(policy_memo.lora_info(w))):
-        w.train = None  # an optimizer built on the unsharded parameters
-    train = _train_state(w, r, dp, init=init)
-    reference = functools.partial(policy_memo.reference, w, r.reference_checkpoint)
-    out = iteration.update(
-        w.model,
-        train,
+    if dp.prepare_model(learner.model, lora=bool(learner.lora_info())):
+        learner.train = None  # an optimizer built on the unsharded parameters
+    _resume(learner, r, dp, init=init)
+    reference = functools.partial(lineage.reference, learner, r.reference_checkpoint)
+    out = learner.update(
         rows,
         rl,
-        policy_id=w.policy_id,
-        pad_id=w.tokenizer.pad_token_id,
-        quantized=policy_memo.options().load_in_4bit,
+        quantized=loading.options().load_in_4bit,
         reference=reference if rl.beta > 0 else None,
         on_step=on_step,
         parallel=dp,
@@ -126,9 +120,9 @@ def update_from_file(
     logger(__name__).debug("%s: old log-probs: %s (%s)", r.scored_path, *out.old_logprobs)
     info = {"scored": r.scored_path, "global_step": out.global_step}
     on_ranks = data_parallel is not None
-    pid = _save(w, train, r.out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
+    pid = _save(learner, r.out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
                 background=background)  # fmt: skip
-    policy_memo.put(r.out_checkpoint, w, pid=pid)
+    learner.trained(r.out_checkpoint, pid)
     return UpdateOutcome(r.out_checkpoint, out.global_step, out.history, out.seconds,
                         out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
 
@@ -144,13 +138,12 @@ def _say_once(message: str) -> None:
         logger(__name__).info(message)
 
 
-def _train_state(w, r: UpdateRequest, dp, *, init: str):
-    """The stage's optimizer, schedule and RNG states at ``global_step``, kept with the warm
-    policy: the one in memory when it is the state saved at this step, else the saved one,
-    else fresh (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
-    from grpo_core.training import offload
+def _resume(learner, r: UpdateRequest, dp, *, init: str) -> None:
+    """The stage's optimizer, schedule and RNG states at ``global_step``: the learner's when
+    it is the state saved at this step, else the saved one, else fresh
+    (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
     from grpo_core.training.checkpoint import policy_id
-    from grpo_core.training.train_state import RLOptimization, TrainState
+    from grpo_core.training.train_state import RLOptimization
 
     optimization = RLOptimization.of(
         r.rl,
@@ -160,61 +153,35 @@ def _train_state(w, r: UpdateRequest, dp, *, init: str):
         total_steps=r.total_steps,
         sharded=dp.sharded,
     )
-    live, w.train = w.train, None  # a failed build leaves no state of the wrong step
-    if live is not None:  # moved to CPU memory while a colocated engine generated
-        offload.restore(live.optimizer)
     # where a saved state would be: the checkpoint, or the record's kept one
-    saved = policy_ref.saved_at(w.checkpoint) or w.checkpoint
-    w.train = TrainState.resume(
-        w.model,
-        saved,
-        live,
-        key=optimization.key,
-        global_step=r.global_step,
-        build=optimization.build,
-        seed=r.seed,
-        load_optimizer=dp.load_full_optimizer_state,
-        logger=logger(__name__),
-    )
-    return w.train
+    saved = policy_ref.saved_at(learner.checkpoint) or learner.checkpoint
+    learner.resume(optimization, saved, global_step=r.global_step, seed=r.seed,
+                   load_optimizer=dp.load_full_optimizer_state, logger=logger(__name__))  # fmt: skip
 
 
 def _save(
-    w, train, out_checkpoint: str, info: dict, dp, *, on_ranks: bool, keep: bool, background: bool
+    learner, out_checkpoint: str, info: dict, dp, *, on_ranks: bool, keep: bool, background: bool
 ) -> str:
     """The new weights' ``policy_id``, hashed in memory; with ``keep``, the policy and its
     trainer state written to ``out_checkpoint``. ``on_ranks``: a sharded model's weights and
     optimizer gathered on every rank (collectives), written by rank 0 and shared through the
     store; every rank returns once it exists and takes the id from it. One process with
-    ``background``: written by a thread from a CPU copy (a LoRA policy, whose adapter is read
-    from the live model, here and now)."""
-    from grpo_core.training import lora
+    ``background``: written by the learner's writer from a CPU copy."""
     from grpo_core.training.checkpoint import policy_id
-    from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 
     if not keep:
-        return state_dict_id(savable_state_dict(w.model))
-    state, weights = dp.checkpoint_state(w.model, train)
+        return learner.weights_id()
+    state, weights = dp.checkpoint_state(learner.model, learner.train)
     if not on_ranks:
-        weights = savable_state_dict(w.model) if weights is None else weights
-        pid = state_dict_id(weights)
-        info = {**info, **policy_memo.lora_info(w)}
-        if not background or lora.is_peft(w.model):
-            save_checkpoint(w.model, w.tokenizer, out_checkpoint, trainer_state=state, info=info,
-                            state_dict=weights, expected_id=pid)  # fmt: skip
-            storage.publish(out_checkpoint)
-        else:
-            policy_memo.WRITER.submit(out_checkpoint, w.model, w.tokenizer, weights=weights,
-                                       trainer_state=state, info=info, expected_id=pid,
-                                       on_done=storage.publish)  # fmt: skip
-        return pid
+        return learner.save(out_checkpoint, info=info, trainer_state=state, weights=weights,
+                            background=background, on_done=storage.publish)  # fmt: skip
     if dp.rank == 0:
         save_checkpoint(
-            w.model,
-            w.tokenizer,
+            learner.model,
+            learner.tokenizer,
             out_checkpoint,
             trainer_state=state,
-            info={**info, **policy_memo.lora_info(w)},
+            info={**info, **learner.lora_info()},
             state_dict=weights,
         )
         # the driver (and the next iteration's ranks) may be on another node
@@ -228,7 +195,7 @@ def _save(
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`update_from_file` with this rank's ``data_parallel``."""
-    process.load_policies_with(model_options, trained_policy=policy_memo.holding)
+    process.load_policies_with(model_options)
     return update_from_file(**kwargs, data_parallel=data_parallel)
 
 
@@ -240,56 +207,11 @@ def run_update(request: UpdateRequest, *, iteration: int, **options) -> UpdateOu
 
     return runtime.executor().update(
         update_from_file,
-        functools.partial(update_on_rank, model_options=policy_memo.options()),
+        functools.partial(update_on_rank, model_options=loading.options()),
         {"request": request, **options},
         what=f"{request.stage} iteration {iteration} update",
         out_checkpoint=request.out_checkpoint,
     )
-
-
-def policy(path: str | Path, slot: str = "policy", *, mutate: bool = False, lora_base=None):
-    """The policy of a checkpoint or an RL iteration's record: from memory or disk
-    (``policy_memo.get``), else, for a record whose weights were not kept, by replaying its
-    update from its parent (recursively, so from the nearest kept state) and checking that
-    the replay gives the recorded weights."""
-    try:
-        return policy_memo.get(path, slot, mutate=mutate, lora_base=lora_base)
-    except policy_memo.NotInMemory as e:
-        gone = e  # (the except clause's name is cleared when it ends)
-    ref = gone.ref
-    logger(__name__).info(
-        "%s: policy %s is not in memory and has no kept checkpoint (%s): replaying the "
-        "update of iteration %s from %s",
-        Path(path).parent.name,
-        ref.policy_id,
-        gone.why,
-        ref.update.get("iteration"),
-        ref.parent,
-    )
-    got = replay(ref)
-    policy_memo.STATS["replays"] += 1
-    if got != ref.policy_id:
-        raise UserError(
-            f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
-            f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
-            "here (GPU kernels, data-parallel ranks) or its inputs changed. Keep the train "
-            "states such reruns start from (rl.save_steps: 1 and a larger "
-            "rl.save_total_limit), or rerun the stage with --force"
-        )
-    return policy_memo.get(path, slot, mutate=mutate, lora_base=lora_base)
-
-
-def replay(ref: PolicyRef) -> str:
-    """Run again the update ``ref`` records (its scored file, from its parent policy), in
-    this process and writing nothing; returns the new weights' ``policy_id``, which the
-    caller compares with the recorded one. The weights stay warm, named by the record."""
-    args = ref.update
-    out = update_from_file(UpdateRequest.replaying(args), keep=False)
-    logger(__name__).info(
-        "%s iteration %d replayed from %s: policy %s", args["stage"], args["iteration"],
-        args["scored_path"], out.policy_id,
-    )  # fmt: skip
-    return out.policy_id
 
 
 def update_key(
@@ -320,7 +242,7 @@ def update(
     keep: bool = True,
 ) -> UpdateOutcome:
     """``request.init_checkpoint``: the stage's first policy (with ``stage``, the optimizer's
-    identity: tasks/policies/memo.py); ``seed`` seeds the RNGs at the stage's first step.
+    identity: grpo_core/training/train_state.py: RLOptimization); ``seed`` seeds the RNGs at the stage's first step.
 
     ``ref_path`` (an RL stage's iteration): the update records its policy there
     (tasks/policies/ref.py) and that record is its cached output, whether the weights were
@@ -359,7 +281,7 @@ def update(
         kept = out_checkpoint if out.kept else None
         ref = PolicyRef(out.policy_id, out.global_step, kept, r.record(iteration, ref_path))
         policy_ref.write_ref(ref_path, ref)
-        policy_memo.relabel(ref_path)
+        lineage.relabel(out.policy_id, ref_path)  # the learner's weights, named by the record
         return dataclasses.replace(out, checkpoint=ref_path)
 
     output = ref_path or out_checkpoint

@@ -146,7 +146,7 @@ def save_merged(
 
 
 def base_checkpoint(model) -> str:
-    """The checkpoint folder the adapter of ``model`` sits on (tasks/policies/memo.py records
+    """The checkpoint folder the adapter of ``model`` sits on (the pipeline records
     it in the adapter's config when it attaches or loads one)."""
     path = model.peft_config["default"].base_model_name_or_path
     if not path or not Path(path).is_dir():

@@ -5,9 +5,8 @@ driver (on a head that may have no GPU and little memory) needs of a policy only
 tokenizer and its config: the replicas load the weights from the checkpoint the trainer
 group wrote (``cluster/rollout_workers.py``), so the driver never holds the model nor ships
 a second copy of it through Ray's object store. :func:`files` hands out that light handle;
-where the weights exist only in memory (this process holds them) or must be recomputed (a
-record whose kept state was pruned: ``tasks/update.py: policy`` replays it), it returns the
-warm policy instead, which has a ``model``.
+where the weights exist only in memory (this process's learner holds them, or the stage
+replayed them there: tasks/policies/lineage.py), it returns a handle with the ``model``.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage
 from tasks.policies import ref as policy_ref
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -36,18 +35,14 @@ class PolicyFiles:
 
 
 def files(checkpoint: str | Path):
-    """``checkpoint``'s :class:`PolicyFiles`, or the warm policy (``policy_memo.get``) when
-    this process holds those weights or they are on no disk."""
+    """``checkpoint``'s :class:`PolicyFiles`, or a handle on the weights in memory
+    (``lineage.handle``) when this process's learner holds them or they are on no disk."""
     checkpoint = Path(checkpoint)
-    pid = policy_memo.policy_id(checkpoint)
-    warm = policy_memo.warm()
-    if warm is not None and warm.policy_id == pid:
-        return warm
+    pid = policy_ref.policy_id(checkpoint)
     weights = policy_ref.saved_at(checkpoint)  # the folder itself, or a record's kept one
-    if weights is None or not (Path(weights) / "config.json").exists():
-        from tasks.update import policy
-
-        return policy(checkpoint)  # in memory elsewhere only: replayed here
+    on_disk = weights is not None and (Path(weights) / "config.json").exists()
+    if lineage.holding(pid) is not None or not on_disk:
+        return lineage.handle(checkpoint)
     from transformers import AutoConfig
 
     weights = Path(weights)

@@ -52,14 +52,13 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
 
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
-    from tasks.policies import memo as policy_memo
+    from tasks.policies import lineage
 
     store = tmp_path / "store"  # storage.url: the run folder also mirrored (cluster/storage.py)
-    policy_memo.clear()
-    loads = policy_memo.STATS["loads"]
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     # the driver held no policy: the ranks trained, the replicas loaded each new checkpoint
-    assert policy_memo.STATS["loads"] == loads and policy_memo.warm() is None
+    held = lineage.held()
+    assert held.stats["loads"] == 0 and held.learner is None and not held.loaded
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
     # the RL update's policy reached the replicas from trainer rank 0 over the weight bus

@@ -154,7 +154,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
     from grpo_core.engines.generation import SamplingParams
     from grpo_core.engines.turns import SampleRequest
     from grpo_core.training.checkpoint import load_checkpoint, policy_id
-    from tasks.policies import memo as policy_memo
+    from tasks.policies import loading
 
     model, tok = load_checkpoint(tiny_checkpoint)
     prompt_ids = [encode_prompt(tok, r["prompt"]) for r in ROWS]
@@ -166,7 +166,7 @@ def test_a_replica_dying_without_retry_names_worker_and_call(ray_head, tiny_chec
             prompt_ids,
             SampleRequest(
                 params,
-                load_options=policy_memo.options().load_kwargs(trainer=False),  # as the task
+                load_options=loading.options().load_kwargs(trainer=False),  # as the task
                 desc="rl_1 it3 rollout",
             ),
             checkpoint=str(tiny_checkpoint),

@@ -312,7 +312,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
 
     from cluster import runtime, trainer_group
     from grpo_core.demo.task import make_splits
-    from tasks.policies import memo as policy_memo
+    from tasks.policies import lineage
     from tasks.sft import run_sft
 
     rows = make_splits(digits=2, n_sft=n_rows, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
@@ -322,7 +322,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
                   data_path=str(data), cfg=cfg)  # fmt: skip
 
     runtime.configure(ClusterConfig())
-    policy_memo.clear()
+    lineage.forget()
     local: list = []  # the one-process run's per-step metrics, as it logs them live
     restored: list = []  # the ranks': handed to the driver with rank 0's result
     one = run_sft(**kwargs, out_checkpoint=str(tmp_path / "one"),
@@ -337,7 +337,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
     finally:
         trainer_group.release()
         runtime.configure(ray_trainers)
-        policy_memo.clear()
+        lineage.forget()
     assert len(set(pids)) == 2 and os.getpid() not in pids  # trained on the actors
     assert two.steps == one.steps == cfg.max_steps and two.history is None
     # a gradient norm sums squares of rounded sums: it drifts first (4e-5 by step 23)

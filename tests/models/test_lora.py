@@ -14,7 +14,7 @@ from grpo_core.algorithm.update import build_batch, completion_logprobs
 from grpo_core.config.stages import LoraConfig, ModelConfig
 from grpo_core.training import lora
 from grpo_core.training.checkpoint import load_checkpoint, model_files, policy_id, save_checkpoint
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage
 
 pytest.importorskip("peft")
 
@@ -97,49 +97,47 @@ def test_sync_sends_merged_weights_under_base_names(tiny_checkpoint):
 
 
 def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_checkpoint):
-    policy_memo.clear()
+    lineage.forget()
     try:
         process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
-        w = policy_memo.get(tiny_checkpoint, mutate=True, lora_base=tiny_checkpoint)
+        w = lineage.learner_at(tiny_checkpoint, lora_base=tiny_checkpoint)
         assert lora.is_peft(w.model)
-        assert w.extra["lora_base_id"] == policy_id(tiny_checkpoint)
-        ref = policy_memo.reference(w, tiny_checkpoint)
+        assert w.lora_base_id == policy_id(tiny_checkpoint)
+        ref = lineage.reference(w, tiny_checkpoint)
         assert isinstance(ref, lora.AdapterDisabled)  # no model loaded for the reference
         with torch.no_grad():
             for name, p in w.model.named_parameters():
                 if "lora_B" in name:
                     p.add_(0.01)
-        ckpt = save_checkpoint(
-            w.model, w.tokenizer, tmp_path / "it0", info=policy_memo.lora_info(w)
-        )
-        policy_memo.put(ckpt, w)
+        ckpt = save_checkpoint(w.model, w.tokenizer, tmp_path / "it0", info=w.lora_info())
+        w.trained(ckpt, policy_id(ckpt))
         info = json.loads((ckpt / "checkpoint_info.json").read_text())
         assert info["lora_base_policy_id"] == policy_id(tiny_checkpoint)
-        again = policy_memo.get(ckpt, mutate=True, lora_base=tiny_checkpoint)
+        again = lineage.learner_at(ckpt, lora_base=tiny_checkpoint)
         assert again is w  # warm: the same adapter goes on training
-        policy_memo.clear()
-        loaded = policy_memo.get(ckpt, mutate=True, lora_base=tiny_checkpoint)  # from disk
+        lineage.forget()
+        loaded = lineage.learner_at(ckpt, lora_base=tiny_checkpoint)  # from disk
         mine = dict(w.model.named_parameters())
         for name, p in loaded.model.named_parameters():
             assert torch.equal(p, mine[name]), name
             assert p.requires_grad == ("lora_" in name)
         # the next stage starts from this checkpoint: merged weights, a fresh adapter
-        policy_memo.put(ckpt, loaded)
-        nxt = policy_memo.get(ckpt, mutate=True, lora_base=ckpt)
-        assert nxt.extra["lora_base_id"] == policy_id(ckpt)
+        loaded.trained(ckpt, policy_id(ckpt))
+        nxt = lineage.learner_at(ckpt, lora_base=ckpt)
+        assert nxt.lora_base_id == policy_id(ckpt)
         merged = load_checkpoint(ckpt)[0].state_dict()
         for k, v in nxt.model.get_base_model().state_dict().items():
             if "lora_" not in k and "base_layer" not in k:
                 assert torch.equal(v, merged[k]), k
     finally:
         process.load_policies_with(ModelConfig())
-        policy_memo.clear()
+        lineage.forget()
 
 
 def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
     from grpo_core.errors import UserError
 
-    policy_memo.clear()
+    lineage.forget()
     try:
         process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
         model, tok = load_checkpoint(tiny_checkpoint)
@@ -147,10 +145,10 @@ def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
             next(model.parameters()).add_(0.1)
         other = save_checkpoint(model, tok, tmp_path / "plain")
         with pytest.raises(UserError, match="no adapter/ folder"):
-            policy_memo.get(other, mutate=True, lora_base=tiny_checkpoint)
+            lineage.learner_at(other, lora_base=tiny_checkpoint)
     finally:
         process.load_policies_with(ModelConfig())
-        policy_memo.clear()
+        lineage.forget()
 
 
 def test_engine_sync_gets_merged_weights(tiny_checkpoint):

@@ -10,7 +10,7 @@ from cluster import process
 from grpo_core.config.stages import ModelConfig
 from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import load_checkpoint, resolve_model_path
-from tasks.policies import memo as policy_memo
+from tasks.policies import lineage, loading
 
 
 def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
@@ -29,14 +29,14 @@ def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
 def test_warm_policy_honours_configured_options(tiny_checkpoint):
     try:
         process.load_policies_with(ModelConfig(dtype="bfloat16", attn_implementation="eager"))
-        w = policy_memo.get(tiny_checkpoint)
+        w = lineage.handle(tiny_checkpoint)
         assert next(w.model.parameters()).dtype == torch.bfloat16
         assert w.model.config._attn_implementation == "eager"
-        assert policy_memo.options_key()["dtype"] == "bfloat16"
+        assert loading.options_key()["dtype"] == "bfloat16"
     finally:
         process.load_policies_with(ModelConfig())
-        policy_memo.clear()
-    assert policy_memo.options_key() is None  # defaults leave the cache keys as they were
+        lineage.forget()
+    assert loading.options_key() is None  # defaults leave the cache keys as they were
 
 
 def test_gradient_checkpointing_same_gradients(tiny_checkpoint):
@@ -98,7 +98,7 @@ def test_device_placement(tiny_checkpoint):
         process.load_policies_with(ModelConfig(device="cuda"))
         try:
             with pytest.raises(UserError, match="model.device"):
-                policy_memo.get(tiny_checkpoint)
+                lineage.handle(tiny_checkpoint)
         finally:
             process.load_policies_with(ModelConfig())
 

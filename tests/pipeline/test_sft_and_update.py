@@ -294,7 +294,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
     starts its own AdamW instead of continuing the first stage's."""
     from grpo_core.config.stages import RLConfig
     from grpo_core.training.checkpoint import file_sha256, load_trainer_state
-    from tasks.policies import memo as policy_memo
+    from tasks.policies import lineage
     from tasks.update import UpdateRequest, update_from_file
 
     rl = RLConfig(
@@ -325,13 +325,13 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(h["peak_memory_gib"] == up.peak_memory_gib for h in up.history)
         return up.checkpoint, up.global_step
 
-    policy_memo.clear()
+    lineage.forget()
     policy, step = init, 0
     for it in range(3):
         policy, step = run(it, policy, str(tmp_path / f"warm{it}"), step)
     assert step == 6 and _adam_step(policy) == 6
 
-    policy_memo.clear()  # a new process after a crash: the state comes from iteration 1's files
+    lineage.forget()  # a new process after a crash: the state comes from iteration 1's files
     resumed, _ = run(2, str(tmp_path / "warm1"), str(tmp_path / "resumed2"), 4)
     w_a, w_b = (file_sha256(f"{p}/model.safetensors") for p in (policy, resumed))
     assert w_a == w_b
@@ -341,7 +341,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(torch.equal(s[n], b["optimizer"]["state"][k][n]) for n in s)
 
     # another stage starting from the warm weights: a fresh optimizer, whatever is in memory
-    policy_memo.clear()
+    lineage.forget()
     run(0, init, str(tmp_path / "a0"), 0)
     a0 = str(tmp_path / "a0")
     other, step = run(1, a0, str(tmp_path / "b0"), 0, stage="rl_2", first=a0)
