@@ -57,7 +57,17 @@ ENV_REWARD_COLUMNS = {
     "env_reward": "the environment's own reward for the episode (null: none, or it failed)",
     "env_reward_error": "the error of the episode's reward() (null: none)",
 }
-OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS, *ENV_REWARD_COLUMNS)
+# Written when the sampler processed its distribution (top_p < 1, top_k > 0, min_p > 0,
+# repetition_penalty != 1) and the engine gives the policy's own log-probs (the hf engine):
+# what a behaviour weight divides by. Absent: ``completion_logprobs`` are that already.
+POLICY_LOGPROBS = "completion_policy_logprobs"
+POLICY_LOGPROB_COLUMNS = {
+    POLICY_LOGPROBS: "the sampling policy's log-probability of each completion token under "
+    "its temperature-scaled softmax, before top-p, top-k, min-p and repetition penalty (the "
+    "trainer's recomputed quantity; 0 on tokens an environment added); absent: the sampling "
+    "distribution was not processed and completion_logprobs are these",
+}
+OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS, *ENV_REWARD_COLUMNS, *POLICY_LOGPROB_COLUMNS)
 EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
@@ -105,6 +115,7 @@ def rollout_table(
     # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
     env_rewards = any(s.env is not None for s in samples)
+    policy = any(s.policy_logprobs is not None for s in samples)
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -131,6 +142,8 @@ def rollout_table(
             rec["tool_calls"] = len(tools)
             rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
+        if policy:
+            rec[POLICY_LOGPROBS] = s.logprobs if s.policy_logprobs is None else s.policy_logprobs
         if env_rewards:
             env = s.env or {}
             rec["env_reward"] = env.get("reward")

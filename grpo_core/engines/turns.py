@@ -125,11 +125,15 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     finish: str = "stop"
+    policy: list[float] | None = None  # the policy's own log-probs (Sample.policy_logprobs)
 
-    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0) -> None:
+    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
+            policy=None) -> None:  # fmt: skip
         start = len(self.ids)
         self.ids += ids
         self.logprobs += logprobs
+        if policy is not None or self.policy is not None:  # tool tokens: 0, as logprobs
+            self.policy = (self.policy or []) + list(policy or [0.0] * len(ids))
         self.mask += [1 if role == "assistant" else 0] * len(ids)
         self.left -= len(ids)
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
@@ -139,7 +143,8 @@ class _Episode:
         from grpo_core.engines.generation import Sample
 
         return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
-                      self.mask, self.turns, env=_env_reward(self.env))  # fmt: skip
+                      self.mask, self.turns, env=_env_reward(self.env),
+                      policy_logprobs=self.policy)  # fmt: skip
 
 
 @dataclass
@@ -190,6 +195,7 @@ class _Episodes:
             ids,
             list(s.logprobs[: len(ids)]),
             tok.decode(ids, skip_special_tokens=True),
+            policy=None if s.policy_logprobs is None else list(s.policy_logprobs[: len(ids)]),
         )
         cut = len(ids) < len(s.completion_ids)
         ep.finish = "length" if cut else s.finish_reason
