@@ -295,6 +295,8 @@ def update(
     rl, correction = engine_correction_for(rows, rl, model, quantized=quantized, policy=policy_id)
     source, why = old_logprobs_for(rows, rl, model, policy=policy_id, quantized=quantized)
     behaviour = behaviour_weight_for(rows, rl, policy_id)
+    if behaviour is not None and (gap := behaviour_gap(rows)):
+        logger.warning("%s: rl.behaviour_weight: %s", rows.path, gap)
     set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
     cfg = dataclasses.replace(rl.update_config(), old_logprobs=source, behaviour_weight=behaviour)
     history: list[dict] = []
@@ -347,7 +349,7 @@ def engine_correction_for(
     the weights being updated, against the rows' sampling policies), and the reason. Rows
     that get a behaviour weight (:func:`behaviour_weight_for`) get no engine correction: the
     behaviour weight divides by the same sampler's log-probs, the engine's mismatch included."""
-    from grpo_core.contracts.rollouts import read_metadata_of
+    from grpo_core.contracts.rollouts import POLICY_LOGPROBS, read_metadata_of
     from grpo_core.logprobs.old import engine_correction_choice
     from grpo_core.training.checkpoint import compute_dtype_name
 
@@ -365,6 +367,7 @@ def engine_correction_for(
         fp16=rl.fp16,
         quantized=quantized,
         old_logprobs=rl.old_logprobs,
+        policy_logprobs=POLICY_LOGPROBS in rows.table.column_names,
     )
     return rl.model_copy(update={"vllm_importance_sampling_correction": on}), why
 
@@ -381,6 +384,17 @@ def behaviour_weight_for(rows: ScoredRows, rl: RLConfig, policy: str | None):
     if set(rows.table.column("policy_id").unique().to_pylist()) == {policy}:
         return None
     return BehaviourWeight(mode=rl.behaviour_weight, cap=rl.behaviour_weight_cap)
+
+
+def behaviour_gap(rows: ScoredRows) -> str | None:
+    """Why these rows' behaviour weights would not compare like with like, or None
+    (grpo_core/logprobs/old.py, ``behaviour_logprobs_gap``)."""
+    from grpo_core.contracts.rollouts import POLICY_LOGPROBS, read_metadata_of
+    from grpo_core.logprobs.old import behaviour_logprobs_gap
+
+    return behaviour_logprobs_gap(
+        read_metadata_of(rows.table), policy_logprobs=POLICY_LOGPROBS in rows.table.column_names
+    )
 
 
 def old_logprobs_for(
