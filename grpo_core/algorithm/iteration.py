@@ -129,7 +129,9 @@ def score(
     extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
     completions = reward_completions(cols, extra, label)
     gids = group_ids(rollouts, label)
-    request = ScoreRequest(cols["prompt"], completions, extra, all_weights, gids, build)
+    # the prompts the model saw: the data's, with what an environment's reset() added
+    prompts = cols.get("episode_prompt", cols["prompt"])
+    request = ScoreRequest(prompts, completions, extra, all_weights, gids, build)
     result = scorer(request) if scorer is not None else request.score_here()
     check_reward_failures(result, max_error_rate, label)
     adv, informative = advantages(result, gids, rollouts.num_rows, scoring)

@@ -67,7 +67,21 @@ POLICY_LOGPROB_COLUMNS = {
     "trainer's recomputed quantity; 0 on tokens an environment added); absent: the sampling "
     "distribution was not processed and completion_logprobs are these",
 }
-OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS, *ENV_REWARD_COLUMNS, *POLICY_LOGPROB_COLUMNS)
+# Written when an environment's reset() added to some episode's prompt (docs/tools.md); the
+# rows' prompt_text and prompt_ids are then each episode's own, what its model saw
+EPISODE_PROMPT = "episode_prompt"
+EPISODE_PROMPT_COLUMNS = {
+    EPISODE_PROMPT: "the prompt the episode's model saw, in the data's form (text or chat "
+    "messages): the data's prompt with what the environment's reset() added; reward "
+    "functions get it as their prompts",
+}
+OPTIONAL_COLUMNS = (
+    "group_idx",
+    *EPISODE_COLUMNS,
+    *ENV_REWARD_COLUMNS,
+    *POLICY_LOGPROB_COLUMNS,
+    *EPISODE_PROMPT_COLUMNS,
+)
 EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
@@ -116,6 +130,7 @@ def rollout_table(
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
     env_rewards = any(s.env is not None for s in samples)
     policy = any(s.policy_logprobs is not None for s in samples)
+    opened = any(s.prompt is not None for s in samples)  # a reset() added to a prompt
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -125,7 +140,7 @@ def rollout_table(
             "prompt": row["prompt"],
             "prompt_text": texts[s.prompt_index],
             "completion": decode_completion(tokenizer, s.completion_ids),
-            "prompt_ids": prompt_ids[s.prompt_index],
+            "prompt_ids": prompt_ids[s.prompt_index] if s.prompt_ids is None else s.prompt_ids,
             "completion_ids": s.completion_ids,
             "completion_logprobs": s.logprobs,
             "completion_length": len(s.completion_ids),
@@ -142,6 +157,10 @@ def rollout_table(
             rec["tool_calls"] = len(tools)
             rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
+        if opened:
+            rec[EPISODE_PROMPT] = row["prompt"] if s.prompt is None else s.prompt
+            if s.prompt is not None:
+                rec["prompt_text"] = row_prompt_text(tokenizer, {**row, "prompt": s.prompt})
         if policy:
             rec[POLICY_LOGPROBS] = s.logprobs if s.policy_logprobs is None else s.policy_logprobs
         if env_rewards:

@@ -23,6 +23,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -54,6 +55,10 @@ class Sample:
     # before the sampler's processing (top-p, top-k, min-p, repetition penalty); None: the
     # distribution was not processed, and ``logprobs`` are that already
     policy_logprobs: list[float] | None = None
+    # the episode's own prompt when its environment's reset() added to it (ids, and the
+    # prompt in the data's form: grpo_core/engines/openings.py); None: the prompt as given
+    prompt_ids: list[int] | None = None
+    prompt: Any = None
 
 
 def _repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
