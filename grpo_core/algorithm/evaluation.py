@@ -129,12 +129,24 @@ def _episode(s) -> dict:
     return {"turns": s.turns, "tool_calls": sum(t["role"] == "tool" for t in s.turns)}
 
 
+def _seen_prompts(flat_rows: list[dict], samples) -> list:
+    """Each sample's prompt as its model saw it: the row's, with what an environment's
+    ``reset()`` added (grpo_core/engines/openings.py)."""
+    return [
+        r["prompt"] if s.prompt is None else s.prompt
+        for r, s in zip(flat_rows, samples, strict=True)
+    ]
+
+
 def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples):
     """One dict per example and sample (the eval table)."""
     texts = {i: row_prompt_text(tokenizer, r) for i, r in enumerate(rows)}
+    seen = _seen_prompts(flat_rows, samples)
     return [
         {
-            "prompt": texts[j // k],
+            "prompt": texts[j // k]
+            if samples[j].prompt is None
+            else row_prompt_text(tokenizer, {**r, "prompt": seen[j]}),
             "sample_idx": j % k,
             "completion": c,
             "answer": r.get("answer"),
@@ -212,7 +224,7 @@ def evaluate(
     if any(s.turns for s in samples):
         columns["trajectory"] = completions
     scored = rewards.score_completions(
-        [r["prompt"] for r in flat_rows],
+        _seen_prompts(flat_rows, samples),
         written,
         columns,
         {accuracy_reward: 1.0, format_reward: 1.0},

@@ -129,7 +129,9 @@ def score(
     extra = {k: v for k, v in cols.items() if k not in ROLLOUT_COLUMNS or k == "completion_ids"}
     completions = reward_completions(cols, extra, label)
     gids = group_ids(rollouts, label)
-    request = ScoreRequest(cols["prompt"], completions, extra, all_weights, gids, build)
+    # the prompts the model saw: the data's, with what an environment's reset() added
+    prompts = cols.get("episode_prompt", cols["prompt"])
+    request = ScoreRequest(prompts, completions, extra, all_weights, gids, build)
     result = scorer(request) if scorer is not None else request.score_here()
     check_reward_failures(result, max_error_rate, label)
     adv, informative = advantages(result, gids, rollouts.num_rows, scoring)
@@ -295,6 +297,8 @@ def update(
     rl, correction = engine_correction_for(rows, rl, model, quantized=quantized, policy=policy_id)
     source, why = old_logprobs_for(rows, rl, model, policy=policy_id, quantized=quantized)
     behaviour = behaviour_weight_for(rows, rl, policy_id)
+    if behaviour is not None and (gap := behaviour_gap(rows)):
+        logger.warning("%s: rl.behaviour_weight: %s", rows.path, gap)
     set_rng_state(train.rng)  # as saved with the policy checkpoint, resumed or not
     cfg = dataclasses.replace(rl.update_config(), old_logprobs=source, behaviour_weight=behaviour)
     history: list[dict] = []
@@ -347,7 +351,7 @@ def engine_correction_for(
     the weights being updated, against the rows' sampling policies), and the reason. Rows
     that get a behaviour weight (:func:`behaviour_weight_for`) get no engine correction: the
     behaviour weight divides by the same sampler's log-probs, the engine's mismatch included."""
-    from grpo_core.contracts.rollouts import read_metadata_of
+    from grpo_core.contracts.rollouts import POLICY_LOGPROBS, read_metadata_of
     from grpo_core.logprobs.old import engine_correction_choice
     from grpo_core.training.checkpoint import compute_dtype_name
 
@@ -365,6 +369,7 @@ def engine_correction_for(
         fp16=rl.fp16,
         quantized=quantized,
         old_logprobs=rl.old_logprobs,
+        policy_logprobs=POLICY_LOGPROBS in rows.table.column_names,
     )
     return rl.model_copy(update={"vllm_importance_sampling_correction": on}), why
 
@@ -381,6 +386,17 @@ def behaviour_weight_for(rows: ScoredRows, rl: RLConfig, policy: str | None):
     if set(rows.table.column("policy_id").unique().to_pylist()) == {policy}:
         return None
     return BehaviourWeight(mode=rl.behaviour_weight, cap=rl.behaviour_weight_cap)
+
+
+def behaviour_gap(rows: ScoredRows) -> str | None:
+    """Why these rows' behaviour weights would not compare like with like, or None
+    (grpo_core/logprobs/old.py, ``behaviour_logprobs_gap``)."""
+    from grpo_core.contracts.rollouts import POLICY_LOGPROBS, read_metadata_of
+    from grpo_core.logprobs.old import behaviour_logprobs_gap
+
+    return behaviour_logprobs_gap(
+        read_metadata_of(rows.table), policy_logprobs=POLICY_LOGPROBS in rows.table.column_names
+    )
 
 
 def old_logprobs_for(

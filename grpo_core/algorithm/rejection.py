@@ -63,8 +63,16 @@ def select_completions(rows: list[dict], **rules) -> list[dict]:
 
 
 def to_sft_rows(kept: list[dict]) -> list[dict]:
-    """SFT rows: ``prompt``, ``completion`` and the data's passthrough columns (``answer``...)."""
-    return [{k: v for k, v in r.items() if not _is_rollout_only(k)} for r in kept]
+    """SFT rows: ``prompt``, ``completion`` and the data's passthrough columns (``answer``...).
+    The prompt is the one the model saw: with what an environment's ``reset()`` added
+    (``episode_prompt``), where it added something."""
+    return [
+        {
+            **{k: v for k, v in r.items() if not _is_rollout_only(k)},
+            **({"prompt": r["episode_prompt"]} if r.get("episode_prompt") is not None else {}),
+        }
+        for r in kept
+    ]
 
 
 def mix_sft_rows(sft_rows: list[dict], n: int, seed: int) -> list[dict]:
@@ -82,6 +90,8 @@ _ROLLOUT_ONLY = {
     "prompt_ids",
     "completion_ids",
     "completion_logprobs",
+    "completion_policy_logprobs",
+    "episode_prompt",
     "completion_length",
     "finish_reason",
     "iteration",

@@ -13,7 +13,7 @@ import torch
 from grpo_core.algorithm.batch import build_batch, check_advantages
 from grpo_core.algorithm.sampling_filters import dynamic_sampling_mask
 from grpo_core.contracts.batch import UpdateBatch
-from grpo_core.contracts.rollouts import group_ids, read_scored
+from grpo_core.contracts.rollouts import POLICY_LOGPROBS, group_ids, read_scored
 
 COLUMNS = ["prompt_ids", "completion_ids", "completion_logprobs", "advantage", "finish_reason"]
 
@@ -37,7 +37,8 @@ class ScoredRows:
 
     @classmethod
     def _of(cls, table: pa.Table, path, dynamic_sampling: bool) -> ScoredRows:
-        columns = table.select(COLUMNS).to_pydict()
+        names = COLUMNS + [POLICY_LOGPROBS] * (POLICY_LOGPROBS in table.column_names)
+        columns = table.select(names).to_pydict()
         _check_finite(columns["advantage"], path)
         gids = group_ids(table, path)
         keep = list(range(table.num_rows))
@@ -60,7 +61,8 @@ class ScoredRows:
     def batch(self, pad_id: int, *, mask_truncated: bool, sampling_logprobs: bool) -> UpdateBatch:
         """The kept rows padded: truncated rows (``finish_reason`` length) with an empty mask
         when ``mask_truncated``; the sampler's log-probs when ``sampling_logprobs`` (the
-        engine correction or ``old_logprobs="sampler"`` reads them)."""
+        engine correction, the behaviour weight or ``old_logprobs="sampler"`` reads them):
+        :meth:`behaviour_logprobs`."""
         pick = lambda name: [self.columns[name][i] for i in self.keep]  # noqa: E731
         truncated = [r == "length" for r in pick("finish_reason")] if mask_truncated else None
         return build_batch(
@@ -70,9 +72,20 @@ class ScoredRows:
             pad_id,
             truncated=truncated,
             group_ids=[self.group_ids[i] for i in self.keep],
-            sampling_logprobs=pick("completion_logprobs") if sampling_logprobs else None,
+            sampling_logprobs=self.behaviour_logprobs() if sampling_logprobs else None,
             loss_masks=self._loss_masks(),
         )
+
+    def behaviour_logprobs(self) -> list[list[float]]:
+        """The kept rows' sampler log-probs in the trainer's terms, the policy's own softmax
+        at the sampling temperature: ``completion_policy_logprobs`` where the file has them
+        (the sampler processed its distribution: top-p, top-k, ...), else
+        ``completion_logprobs``. A ratio against the trainer's log-probs then compares like
+        with like: 1 on a row the updated policy sampled, whatever its filter."""
+        own, sampled = self.columns.get(POLICY_LOGPROBS), self.columns["completion_logprobs"]
+        if own is None:
+            return [sampled[i] for i in self.keep]
+        return [sampled[i] if own[i] is None else own[i] for i in self.keep]
 
     def _loss_masks(self) -> list[list[int] | None] | None:
         """The kept rows' ``loss_mask`` (multi-turn rollouts: 0 on tokens an environment

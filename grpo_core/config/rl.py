@@ -281,11 +281,13 @@ class RLConfig(TrainingKnobs):
         ]
         if self.vllm_importance_sampling_correction is True and filters:
             _warn(
-                f"rl.vllm_importance_sampling_correction with {', '.join(filters)}: the engine's "
+                f"rl.vllm_importance_sampling_correction with {', '.join(filters)}: vLLM's "
                 "sampling log-probs are of the filtered/penalised distribution, so the ratio to "
                 "the trainer's full softmax is < 1 on every token and the sequence-level modes "
-                "collapse (weights near 0); sample from the full distribution (top_p=1, top_k=0, "
-                "min_p=0, repetition_penalty=1) or turn the correction off",
+                "collapse (weights near 0; the hf engine also records the policy's own "
+                "log-probs, completion_policy_logprobs, and is not affected); with vLLM sample "
+                "from the full distribution (top_p=1, top_k=0, min_p=0, repetition_penalty=1) "
+                "or turn the correction off",
             )
         return self
 

@@ -57,7 +57,31 @@ ENV_REWARD_COLUMNS = {
     "env_reward": "the environment's own reward for the episode (null: none, or it failed)",
     "env_reward_error": "the error of the episode's reward() (null: none)",
 }
-OPTIONAL_COLUMNS = ("group_idx", *EPISODE_COLUMNS, *ENV_REWARD_COLUMNS)
+# Written when the sampler processed its distribution (top_p < 1, top_k > 0, min_p > 0,
+# repetition_penalty != 1) and the engine gives the policy's own log-probs (the hf engine):
+# what a behaviour weight divides by. Absent: ``completion_logprobs`` are that already.
+POLICY_LOGPROBS = "completion_policy_logprobs"
+POLICY_LOGPROB_COLUMNS = {
+    POLICY_LOGPROBS: "the sampling policy's log-probability of each completion token under "
+    "its temperature-scaled softmax, before top-p, top-k, min-p and repetition penalty (the "
+    "trainer's recomputed quantity; 0 on tokens an environment added); absent: the sampling "
+    "distribution was not processed and completion_logprobs are these",
+}
+# Written when an environment's reset() added to some episode's prompt (docs/tools.md); the
+# rows' prompt_text and prompt_ids are then each episode's own, what its model saw
+EPISODE_PROMPT = "episode_prompt"
+EPISODE_PROMPT_COLUMNS = {
+    EPISODE_PROMPT: "the prompt the episode's model saw, in the data's form (text or chat "
+    "messages): the data's prompt with what the environment's reset() added; reward "
+    "functions get it as their prompts",
+}
+OPTIONAL_COLUMNS = (
+    "group_idx",
+    *EPISODE_COLUMNS,
+    *ENV_REWARD_COLUMNS,
+    *POLICY_LOGPROB_COLUMNS,
+    *EPISODE_PROMPT_COLUMNS,
+)
 EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
@@ -105,6 +129,8 @@ def rollout_table(
     # multi-turn episodes (grpo_core/engines/turns.py): every row gets the episode columns
     episodes = any(s.loss_mask is not None or s.turns is not None for s in samples)
     env_rewards = any(s.env is not None for s in samples)
+    policy = any(s.policy_logprobs is not None for s in samples)
+    opened = any(s.prompt is not None for s in samples)  # a reset() added to a prompt
     for s in samples:
         row = rows[s.prompt_index]
         rec = {
@@ -114,7 +140,7 @@ def rollout_table(
             "prompt": row["prompt"],
             "prompt_text": texts[s.prompt_index],
             "completion": decode_completion(tokenizer, s.completion_ids),
-            "prompt_ids": prompt_ids[s.prompt_index],
+            "prompt_ids": prompt_ids[s.prompt_index] if s.prompt_ids is None else s.prompt_ids,
             "completion_ids": s.completion_ids,
             "completion_logprobs": s.logprobs,
             "completion_length": len(s.completion_ids),
@@ -131,6 +157,12 @@ def rollout_table(
             rec["tool_calls"] = len(tools)
             rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
+        if opened:
+            rec[EPISODE_PROMPT] = row["prompt"] if s.prompt is None else s.prompt
+            if s.prompt is not None:
+                rec["prompt_text"] = row_prompt_text(tokenizer, {**row, "prompt": s.prompt})
+        if policy:
+            rec[POLICY_LOGPROBS] = s.logprobs if s.policy_logprobs is None else s.policy_logprobs
         if env_rewards:
             env = s.env or {}
             rec["env_reward"] = env.get("reward")

@@ -65,6 +65,38 @@ def row_prompt_ids(tokenizer, row: dict) -> list[int]:
     return encode_prompt(tokenizer, row["prompt"], row.get("tools"))
 
 
+def extend_prompt(prompt: Any, addition: Any) -> Any:
+    """``prompt`` (the data's text or chat messages) with what an environment's ``reset``
+    adds (grpo_core/engines/turns.py), in the prompt's own form: text is appended as it is,
+    to a plain-text prompt or to the content of a chat prompt's last user message (TRL's
+    environment ``reset``); a list of chat messages is appended after a chat prompt's
+    messages (the generation prompt then follows them). None or empty: ``prompt`` itself."""
+    if addition is None or addition == "" or addition == []:
+        return prompt
+    if isinstance(addition, str):
+        if isinstance(prompt, str):
+            return prompt + addition
+        if is_conversational(prompt):
+            messages = [dict(m) for m in prompt]
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            if not users or not isinstance(messages[users[-1]].get("content"), str):
+                raise ValueError(
+                    "reset() returned text, but the prompt has no user message with text "
+                    "content to append it to; return messages instead"
+                )
+            messages[users[-1]]["content"] += addition
+            return messages
+    elif is_conversational(addition):
+        if is_conversational(prompt):
+            return [dict(m) for m in prompt] + [dict(m) for m in addition]
+        raise ValueError(
+            "reset() returned chat messages, but the prompt is plain text; return text"
+        )
+    raise TypeError(
+        f"reset() must return text, a list of chat messages or None, got {type(addition).__name__}"
+    )
+
+
 def encode_completion(tokenizer, completion: str) -> list[int]:
     """Completion tokens followed by EOS (the SFT target)."""
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"]

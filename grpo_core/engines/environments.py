@@ -5,7 +5,9 @@ An :class:`Environment` starts an :class:`Episode` from a data row; the turn loo
 (grpo_core/engines/turns.py) hands the episode each model turn (its text) and gets back an
 :class:`Observation` to append to the conversation, or None when the episode ends. The
 observation is text: the turn loop tokenises it once and appends the ids (never the whole
-conversation again); those tokens get loss mask 0.
+conversation again); those tokens get loss mask 0. An episode may also have a ``reset()``,
+asked once before the first turn, whose text or messages are added to the prompt
+(grpo_core/engines/openings.py).
 
 Built in: ``python`` (:class:`PythonTool`): when a model turn ends with the call marker
 (``</tool_call>`` by default), the code between the markers runs in the code sandbox

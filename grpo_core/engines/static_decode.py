@@ -18,7 +18,8 @@ is the reference):
   capture fails the loop goes on without the graph and says so once.
 
 Sampling is the same as the dynamic loop's (:func:`grpo_core.engines.generation._next_tokens`: same
-logit adjustments, logprob of the sampled token under the adjusted distribution).
+logit adjustments, logprob of the sampled token under the adjusted distribution, and under
+the policy's own softmax when that was processed).
 """
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def generate_batch_static(
         _left_pad,
         _next_tokens,
         _repetition_penalty,
+        policy_logprobs,
+        processes_distribution,
     )
 
     device = model.device
@@ -156,7 +159,8 @@ def generate_batch_static(
     cache = StaticCache(config=model.config, max_cache_len=K)
     logits, pos, with_position = _prefill(model, ids, attn, keys, cache)
     step = _Step(model, cache, keys, graphs, {"cache_position": with_position})
-    out = _Completions(B, T, pad_id, device)
+    processed = processes_distribution(params)
+    out = _Completions(B, T, pad_id, device, policy=processed)
     eos = torch.tensor(sorted(eos_ids), device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None
@@ -167,13 +171,16 @@ def generate_batch_static(
     last = pos[:, -1:]  # [B, 1]
     steps = 0
     for t in range(T):
-        logits = logits.float()
+        logits = raw = logits.float()
         if seen is not None:
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         logprobs, tok = _next_tokens(logits, params, generator)  # [B, V], [B]
         tok = torch.where(done, pad_id, tok)
         out.tokens[:, t] = tok
         out.logp[:, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
+        if processed:  # the policy's own logprob (generation.py's module docstring)
+            pol = policy_logprobs(raw, tok, params.temperature)  # [B]
+            out.policy[:, t] = pol.masked_fill(done, 0.0)
         hit = torch.isin(tok, eos) & ~done
         out.lengths = torch.where(hit, t + 1, out.lengths)
         out.stopped |= hit

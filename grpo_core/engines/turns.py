@@ -13,7 +13,10 @@ Without an environment an episode is one model turn: the engine's samples as the
 (``Sample.loss_mask`` and ``turns`` None: every token the model's). With one
 (``rollout.tools``, grpo_core/engines/environments.py), token in, token out:
 
-1. the engine samples each prompt's first turn, stopping at the call marker as at EOS;
+1. each episode opens (grpo_core/engines/openings.py: the environment's episode for its
+   row, and what its ``reset()`` adds to the prompt, if anything; that episode then samples
+   from its own prompt, recorded as ``Sample.prompt_ids``); the engine samples each
+   episode's first turn, stopping at the call marker as at EOS;
 2. a turn that ends with a call goes to the episode (its text), which answers with an
    observation; the observation is tokenised once and appended to the episode's ids, with
    loss mask 0 and log-prob 0 (the sampler's log-probs exist for model tokens only);
@@ -44,6 +47,7 @@ from grpo_core.contracts.observations import (
     encode_tool_messages,
 )
 from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
+from grpo_core.engines.openings import open_episodes
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample, SamplingParams
@@ -125,11 +129,16 @@ class _Episode:
     mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     finish: str = "stop"
+    opened: Any = None  # the prompt as the environment's reset() extended it (None: as given)
+    policy: list[float] | None = None  # the policy's own log-probs (Sample.policy_logprobs)
 
-    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0) -> None:
+    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
+            policy=None) -> None:  # fmt: skip
         start = len(self.ids)
         self.ids += ids
         self.logprobs += logprobs
+        if policy is not None or self.policy is not None:  # tool tokens: 0, as logprobs
+            self.policy = (self.policy or []) + list(policy or [0.0] * len(ids))
         self.mask += [1 if role == "assistant" else 0] * len(ids)
         self.left -= len(ids)
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
@@ -139,7 +148,10 @@ class _Episode:
         from grpo_core.engines.generation import Sample
 
         return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
-                      self.mask, self.turns, env=_env_reward(self.env))  # fmt: skip
+                      self.mask, self.turns, env=_env_reward(self.env),
+                      policy_logprobs=self.policy,
+                      prompt_ids=None if self.opened is None else self.prompt,
+                      prompt=self.opened)  # fmt: skip
 
 
 @dataclass
@@ -158,11 +170,14 @@ class _Episodes:
         # may hold several calls; else the call's end marker ends it
         extra = () if self.spec.json_calls else (self.spec.call_end,)
         params = dataclasses.replace(self.params, stop=(*self.params.stop, *extra))
-        samples = self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
+        n = params.n
+        opens = open_episodes(env, prompt_ids, rows, n, self.engine.tokenizer)
+        samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
-            _Episode(prompt_ids[s.prompt_index], s.prompt_index, s.sample_index,
-                     _start(env, rows[s.prompt_index] if rows else None), params.max_new_tokens)
+            _Episode(o.ids, s.prompt_index, s.sample_index, o.episode, params.max_new_tokens,
+                     opened=o.prompt)
             for s in samples
+            for o in [opens[s.prompt_index * n + s.sample_index]]
         ]  # fmt: skip
         active, turn = list(zip(episodes, samples, strict=True)), 0
         while active:
@@ -180,6 +195,22 @@ class _Episodes:
             active = list(zip(going, outs, strict=True))
         return [ep.sample() for ep in episodes]
 
+    def _first_turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
+        """Every episode's first turn: ``n`` samples of each prompt, or, where a ``reset``
+        added to some prompts (grpo_core/engines/openings.py), one sample of each
+        episode's own prompt (the same seeds: vLLM's child ``i`` of a prompt is seeded
+        ``base + i``, the hf engine draws in the same order)."""
+        if all(o.prompt is None for o in opens):
+            return self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
+        n = params.n
+        one = dataclasses.replace(params, n=1)
+        outs = self.engine.generate([o.ids for o in opens], one, desc=self.desc,
+                                    progress=self.progress)  # fmt: skip
+        return [
+            dataclasses.replace(s, prompt_index=i // n, sample_index=i % n)
+            for i, s in enumerate(outs)
+        ]
+
     def _model_turn(self, ep: _Episode, s, turn: int) -> str | None:
         """Append the model's turn (within the budget); its text when it calls a tool and
         the episode may go on, else None (the episode is over)."""
@@ -190,6 +221,7 @@ class _Episodes:
             ids,
             list(s.logprobs[: len(ids)]),
             tok.decode(ids, skip_special_tokens=True),
+            policy=None if s.policy_logprobs is None else list(s.policy_logprobs[: len(ids)]),
         )
         cut = len(ids) < len(s.completion_ids)
         ep.finish = "length" if cut else s.finish_reason
@@ -254,25 +286,6 @@ def _env_reward(episode) -> dict | None:
         return {"reward": None if value is None else float(value), "error": None}
     except Exception as exc:
         return {"reward": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
-
-
-@dataclass
-class _Unstarted:
-    """An episode whose environment failed to start: each call answers with that error."""
-
-    error: str
-
-    def step(self, model_turn: str) -> Observation | None:
-        raise RuntimeError(self.error)
-
-
-def _start(env, row):
-    """``env``'s episode for ``row``; one that raises is recorded on each call of the
-    episode (an error observation, as a failing step is), not a crash of the batch."""
-    try:
-        return env.start(row)
-    except Exception as exc:
-        return _Unstarted(f"the environment did not start: {type(exc).__name__}: {exc}")
 
 
 class TurnEngine:

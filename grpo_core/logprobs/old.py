@@ -125,6 +125,7 @@ def engine_correction_choice(
     fp16: bool = False,
     quantized: bool = False,
     old_logprobs: str = "auto",
+    policy_logprobs: bool = False,
 ) -> tuple[bool, str]:
     """``rl.vllm_importance_sampling_correction`` for these rows: ``(on, reason)``.
 
@@ -136,7 +137,10 @@ def engine_correction_choice(
     ``grpo_core.algorithm.iteration.behaviour_weight_for``). It stays
     off where the ratio would mean nothing: the ``hf`` engine in float32 samples with the
     trainer's own module; a processed sampling distribution (``top_p``, ``top_k``, ``min_p``,
-    ``repetition_penalty``) makes every ratio < 1; ``rl.old_logprobs=sampler`` makes it 1.
+    ``repetition_penalty``) makes every ratio < 1, unless the file has the policy's own
+    log-probs beside the processed ones (``policy_logprobs``: its
+    ``completion_policy_logprobs``, the ratio's denominator then); ``rl.old_logprobs=sampler``
+    makes it 1.
     """
     name = "rl.vllm_importance_sampling_correction"
     if setting != "auto":
@@ -156,7 +160,7 @@ def engine_correction_choice(
         return False, "auto: the hf engine sampled with the trainer's float32 module"
     sampling = file_meta.get("sampling") or {}
     processed = [k for k, v in NEUTRAL_SAMPLING.items() if sampling.get(k, v) != v]
-    if processed:
+    if processed and not policy_logprobs:
         return False, (
             f"auto: {'; '.join(differs)}, but the sampling distribution is processed "
             f"({', '.join(processed)}), so the ratios would collapse: off"
@@ -164,3 +168,24 @@ def engine_correction_choice(
     if old_logprobs == "sampler":
         return False, f"auto: {'; '.join(differs)}, but rl.old_logprobs=sampler: off"
     return True, f"auto: {'; '.join(differs)}: engine and trainer log-probs differ"
+
+
+def behaviour_logprobs_gap(file_meta: dict, *, policy_logprobs: bool) -> str | None:
+    """Why a behaviour weight ``pi_prox / mu`` on these rows would not compare like with like,
+    or None. The trainer's ``pi_prox`` is the full softmax at the update's temperature; the
+    sampler's stored log-probs are of its processed distribution (``top_p``, ``top_k``,
+    ``min_p``, ``repetition_penalty``), so without the policy's own log-probs beside them
+    (``policy_logprobs``: the rollout file's ``completion_policy_logprobs``, which the hf
+    engine writes) every weight carries the filter's kept mass: a row the updated policy
+    sampled with ``top_p=0.9`` weighs about 0.9, with ``top_k=8`` on a small model about 0.4,
+    while the ESS, blind to a common scale, still reads 1."""
+    sampling = file_meta.get("sampling") or {}
+    processed = [k for k, v in NEUTRAL_SAMPLING.items() if sampling.get(k, v) != v]
+    if not processed or policy_logprobs or sampling.get("temperature") == 0:
+        return None
+    return (
+        f"the rows' sampling distribution was processed ({', '.join(processed)}) and the file "
+        "has no completion_policy_logprobs (an engine that does not record them, vLLM, or an "
+        "older file): the behaviour weights divide by the processed log-probs and include "
+        "the filter's kept mass (below 1 even on fresh rows)"
+    )
