@@ -15,14 +15,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
+from grpo_core.algorithm import iteration as grpo_iteration
 from grpo_core.config.engine import EngineSpec
 from grpo_core.config.settings import Sampling
 from grpo_core.config.stages import RLConfig
 from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.prompts import load_rows
-from grpo_core.contracts.rollouts import rollout_table
-from grpo_core.contracts.text import row_prompt_ids
-from grpo_core.engines.context import check_prompt_lengths, model_context
+from grpo_core.engines.context import model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key, tool_code
 from tasks.policies import lineage, loading
@@ -91,31 +90,32 @@ def write_rollouts(
 ) -> RolloutOutcome:
     """Sample ``params`` (a ``grpo_core.engines.generation.SamplingParams``) for each prompt of
     ``rows`` with ``engine`` (kept warm, weights synced in memory) and write the rollout
-    Parquet; returns path and generation metrics."""
+    Parquet; returns path and generation metrics. The sampling is the notebook's
+    (grpo_core/algorithm/iteration.py: ``sample``), run where the executor samples."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
     # load_options: a process that loads its own copy loads it as this one does
     load = loading.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
-    if request.tools:  # the environment starts each episode from its data row
-        request = dataclasses.replace(request, rows=tuple(rows))
     held = executor.held_policy(policy_ref.policy_id(policy_path))
     w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
-    prompt_ids = [row_prompt_ids(w.tokenizer, r) for r in rows]
-    check_prompt_lengths(
-        prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
-        field="max_completion_length", source=desc,
-    )  # fmt: skip
-    with timer() as t:
-        samples = executor.sample(w, prompt_ids, request)
     meta = _metadata(policy_path, engine, params, executor.rollout_shards(len(rows)),
                      executor.sampled_dtype(w))  # fmt: skip
-    tok = w.tokenizer
-    table = rollout_table(
-        rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
-    )
+    done: dict = {}
+
+    def run(prompt_ids, req):  # where the executor samples: its engines, or the replicas
+        with timer() as t:
+            done["samples"] = executor.sample(w, prompt_ids, req)
+        done["seconds"] = t["seconds"]
+        return done["samples"]
+
+    table = grpo_iteration.sample(
+        None, w.tokenizer, rows, request, policy_id=w.policy_id, iteration=iteration, run=run,
+        context=model_context(w.config), metadata=meta,
+    )  # fmt: skip
     write_parquet(table, out_path)
     busy = executor.served_here() if w.model is None else None
-    return RolloutOutcome(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
+    metrics = _generation_metrics(done["samples"], done["seconds"])
+    return RolloutOutcome(out_path, metrics, engine_busy=busy)
 
 
 def policy_for(executor, checkpoint: str, request: SampleRequest):
