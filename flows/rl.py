@@ -30,6 +30,7 @@ from flows.rl_log import Blocks, HeldOut, StageLog
 from flows.rl_schedule import Overlap
 from flows.run_names import named
 from grpo_core import rewards
+from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig, RLConfig
 from grpo_core.contracts.io import atomic_path, link_tree
 from grpo_core.training.checkpoint import POLICY_ID, policy_id, save_checkpoint
@@ -61,11 +62,12 @@ def rl_stage(
     ws: Workspace,
     tracking: Tracking,
     seed: int = 0,
-    engine: dict | None = None,
-    eval_engine: dict | None = None,
+    engine: EngineSpec | None = None,
+    eval_engine: EngineSpec | None = None,
     force: bool = False,
 ) -> RLStageOutcome:
-    config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": engine}
+    settings = engine.settings() if engine is not None else None
+    config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": settings}
     with stage_run(tracking, stage, {"init_checkpoint": init_checkpoint}, config=config) as run_id:
         _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights)
         held_out = HeldOut(eval_path, eval_cfg, eval_engine, force)
@@ -122,7 +124,7 @@ class _StageTasks:
     weights: dict
     ws: Workspace
     seed: int
-    engine: dict | None
+    engine: EngineSpec | None
     force: bool
     overlap: Overlap | None = None
     shares: dict = field(default_factory=dict)  # the async schedule's idle shares, at the end

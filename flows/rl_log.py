@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flows.rl_report import IterationGroup, StageReport, rollout_sample
+from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig, RLConfig
 from tasks.evaluate import evaluate_checkpoint, is_cached
 from tasks.policies import lineage
@@ -25,7 +26,7 @@ class HeldOut:
 
     eval_path: str
     cfg: EvalConfig
-    engine: dict | None = None
+    engine: EngineSpec | None = None
     force: bool = False
 
     def __call__(self, checkpoint: str, out_table: Path, desc: str) -> EvalOutcome:

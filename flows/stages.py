@@ -23,8 +23,10 @@ from flows.config import load_config
 from flows.run_context import RunContext
 from grpo_core.engines.functions import tool_declarations
 from tasks.evaluate import evaluate_stage
+from tasks.evaluate import is_cached as eval_is_cached
+from tasks.policies import lineage
 from tasks.prepare import prepare
-from tasks.rollout import rollout
+from tasks.rollout import is_cached, rollout
 from tasks.score import score, score_options
 from tasks.update import UpdateRequest, update
 from tasks.workspace import Workspace
@@ -64,6 +66,8 @@ def rollout_flow(
     data, cfg = data or _default_data(ctx, "rl"), ctx.cfg
     out = out or str(ctx.workspace.offline_rollouts(iteration))
     spec = cfg.rollout.engine_spec()
+    if not is_cached("offline", iteration, policy, data, out, cfg.rl, cfg.seed, spec):
+        lineage.resolve(policy)  # an iteration's record whose weights were not kept: replayed
     return rollout("offline", iteration, policy, data, out, cfg.rl, cfg.seed, spec).path
 
 
@@ -119,9 +123,10 @@ def eval_flow(
     out = out or str(
         Workspace.checkpoint_eval_table(checkpoint, _tag([data, cfg.eval.model_dump()]))
     )
-    res = evaluate_stage(
-        "offline", checkpoint, data, cfg.eval, out, engine=cfg.rollout.engine_spec(cfg.eval.engine)
-    )
+    engine = cfg.rollout.engine_spec(cfg.eval.engine)
+    if not eval_is_cached(checkpoint, data, cfg.eval, out, engine):
+        lineage.resolve(checkpoint)  # an iteration's record whose weights were not kept
+    res = evaluate_stage("offline", checkpoint, data, cfg.eval, out, engine=engine)
     return {
         "accuracy": res.accuracy,
         "format_rate": res.format_rate,

@@ -76,11 +76,13 @@ def user_code(names) -> dict[str, str]:
     return out
 
 
-def tool_code(tools: dict | None) -> tuple:
-    """The user code of an environment's settings (a ``ToolSpec`` dict): its environment
-    and function tools, by name (:func:`user_code`)."""
-    tools = tools or {}
-    return (*(tools.get("tools") or ()), *(tools.get("functions") or ()))
+def tool_code(tools) -> tuple:
+    """The user code of an environment (a ``ToolSpec``, or its fields): its environment and
+    function tools, by name (:func:`user_code`)."""
+    from grpo_core.config.engine import tool_spec_of
+
+    tools = tool_spec_of(tools)
+    return () if tools is None else (*tools.tools, *tools.functions)
 
 
 def _source_file(module: str) -> Path | None:

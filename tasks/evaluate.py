@@ -11,6 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
+from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig
 from grpo_core.contracts.io import atomic_path, write_parquet
 from grpo_core.contracts.prompts import load_rows
@@ -18,7 +19,7 @@ from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, lookup, stage_key, tool_code
 from tasks.policies import loading
 from tasks.results import EvalOutcome
-from tasks.rollout import HF_ENGINE, policy_for
+from tasks.rollout import policy_for
 from tasks.run_log import logger, timer
 
 
@@ -30,15 +31,15 @@ def evaluate_checkpoint(
     out_table: str | None = None,
     desc: str = "eval",
     force: bool = False,
-    engine: dict | None = None,
+    engine: EngineSpec | None = None,
     same_as: str | None = None,
 ) -> EvalOutcome:
     """Greedy eval; with ``out_table`` the result is cached on (checkpoint, data, eval config).
-    ``engine``: ``{"name", "options", "check_sync"}`` (default hf). ``same_as``: another eval
+    ``engine``: what samples (default hf). ``same_as``: another eval
     table that may hold this very evaluation (an RL stage's last in-loop eval of the weights
     its final checkpoint links): when its manifest has the same key (same weights, data,
     config and code), it is copied instead of evaluated again."""
-    engine = engine or HF_ENGINE
+    engine = EngineSpec.of(engine)
     if out_table is None:
         return _evaluate(checkpoint, eval_path, cfg, None, desc, engine)
     key = eval_key(checkpoint, eval_path, cfg, engine)
@@ -56,14 +57,14 @@ def evaluate_checkpoint(
     return cached(desc, out_table, key, compute, force=force)
 
 
-def eval_key(checkpoint: str, eval_path: str, cfg: EvalConfig, engine: dict | None) -> str:
+def eval_key(checkpoint: str, eval_path: str, cfg: EvalConfig, engine) -> str:
     """The eval's cache key: its settings, the engine (and environment) that samples, the
     reward code, and the contents of the policy and the held-out rows."""
-    engine = engine or HF_ENGINE
-    settings = {**cfg.model_dump(), "engine": engine["name"]}
-    if engine.get("tools"):  # the environment the policy acts in
-        settings["tools"] = engine["tools"]
-    code = (cfg.accuracy_reward, cfg.format_reward, *tool_code(settings.get("tools")))
+    engine = EngineSpec.of(engine)
+    settings = {**cfg.model_dump(), "engine": engine.name}
+    if engine.tools:  # the environment the policy acts in
+        settings["tools"] = engine.tools_settings()
+    code = (cfg.accuracy_reward, cfg.format_reward, *tool_code(engine.tools))
     return stage_key("eval", settings, [checkpoint, eval_path], code=code)
 
 
@@ -74,7 +75,12 @@ def is_cached(checkpoint, eval_path, cfg: EvalConfig, out_table, engine=None) ->
 
 
 def _evaluate(
-    checkpoint: str, eval_path: str, cfg: EvalConfig, out_table: str | None, desc: str, engine: dict
+    checkpoint: str,
+    eval_path: str,
+    cfg: EvalConfig,
+    out_table: str | None,
+    desc: str,
+    engine: EngineSpec,
 ) -> EvalOutcome:
     from grpo_core.algorithm.evaluation import evaluate
 
@@ -127,7 +133,7 @@ def evaluate_stage(
     cfg: EvalConfig,
     out_table: str,
     force: bool = False,
-    engine: dict | None = None,
+    engine: EngineSpec | None = None,
     same_as: str | None = None,
 ) -> EvalOutcome:
     out = evaluate_checkpoint(

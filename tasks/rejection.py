@@ -20,6 +20,7 @@ from grpo_core.algorithm.rejection import (
     mix_sft_rows,
     to_sft_rows,
 )
+from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import RejectionConfig
 from grpo_core.contracts.io import write_jsonl
 from grpo_core.contracts.prompts import load_rows
@@ -28,7 +29,7 @@ from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import policy_id
 from tasks.cache import cached, stage_key, tool_code
 from tasks.results import RejectionOutcome
-from tasks.rollout import HF_ENGINE, rollout_shards, sample_rollouts, select_prompts
+from tasks.rollout import rollout_shards, sample_rollouts, select_prompts
 from tasks.run_log import logger
 from tasks.score import score_file
 from tasks.tracking.runs import stage_run
@@ -46,20 +47,20 @@ def rejection_sampling(
     tracking: Tracking,
     seed: int,
     force: bool = False,
-    engine: dict | None = None,
+    engine: EngineSpec | None = None,
     cold_start_data: str | None = None,
 ) -> RejectionOutcome:
     """``cold_start_data``: the cold-start SFT data, read when ``cfg.mix_sft_rows`` mixes some
     of it into the re-SFT set."""
-    engine = engine or HF_ENGINE
+    engine = EngineSpec.of(engine)
     if cfg.mix_sft_rows and not cold_start_data:
         raise UserError("rejection_sampling.mix_sft_rows: no cold-start SFT data was given")
-    settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine["name"]}
+    settings = {**cfg.model_dump(), "rewards": weights, "seed": seed, "engine": engine.name}
     if not cfg.mix_sft_rows:  # keys of runs from before the setting stay as they were
         del settings["mix_sft_rows"]
         cold_start_data = None
-    if engine.get("tools"):  # the environment the policy acts in
-        settings["tools"] = engine["tools"]
+    if engine.tools:  # the environment the policy acts in
+        settings["tools"] = engine.tools_settings()
     shards = rollout_shards(cfg.num_prompts)
     if shards > 1:  # replicas sample their shards with their own seeds (cluster/)
         settings["rollout_shards"] = shards
@@ -264,10 +265,10 @@ def _sample_and_filter(
         max_completion_length=cfg.max_completion_length,
         iteration=0,
         seed=seed,
-        engine=engine["name"],
-        engine_options=engine["options"],
-        check_sync=engine["check_sync"],
-        tools=engine.get("tools"),
+        engine=engine.name,
+        engine_options=engine.options,
+        check_sync=engine.check_sync,
+        tools=engine.tools,
         desc="rejection sampling",
     )
     scored = score_file(roll.path, str(files.scored), weights)

@@ -15,13 +15,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import runtime
+from grpo_core.algorithm import iteration as grpo_iteration
+from grpo_core.config.engine import EngineSpec
 from grpo_core.config.settings import Sampling
 from grpo_core.config.stages import RLConfig
 from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.prompts import load_rows
-from grpo_core.contracts.rollouts import rollout_table
-from grpo_core.contracts.text import row_prompt_ids
-from grpo_core.engines.context import check_prompt_lengths, model_context
+from grpo_core.engines.context import model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key, tool_code
 from tasks.policies import lineage, loading
@@ -67,7 +67,7 @@ def sample_rollouts(
     engine: str = "hf",
     engine_options: dict | None = None,
     check_sync: bool = False,
-    tools: dict | None = None,
+    tools=None,
     desc: str = "rollout",
     **sampling,
 ) -> RolloutOutcome:
@@ -75,9 +75,7 @@ def sample_rollouts(
     ``max_completion_length``, ``top_p``, ...: the fields of ``grpo_core.config.settings.Sampling``)
     and ``num_generations`` samples per prompt drawn with ``seed``."""
     params = Sampling(**sampling).params(num_generations, seed=seed)
-    spec = {"name": engine, "options": engine_options, "check_sync": check_sync}
-    if tools:  # the environment (grpo_core/engines/environments.py: ToolSpec's fields)
-        spec["tools"] = tools
+    spec = EngineSpec(engine, engine_options or {}, check_sync, tools)
     return write_rollouts(policy_path, rows, out_path, params, iteration, spec, desc)
 
 
@@ -87,36 +85,37 @@ def write_rollouts(
     out_path: str,
     params,
     iteration: int,
-    engine: dict,
+    engine: EngineSpec,
     desc: str = "rollout",
 ) -> RolloutOutcome:
     """Sample ``params`` (a ``grpo_core.engines.generation.SamplingParams``) for each prompt of
-    ``rows`` with ``engine`` (``{"name", "options", "check_sync"}``; kept warm, weights synced
-    in memory) and write the rollout Parquet; returns path and generation metrics."""
+    ``rows`` with ``engine`` (kept warm, weights synced in memory) and write the rollout
+    Parquet; returns path and generation metrics. The sampling is the notebook's
+    (grpo_core/algorithm/iteration.py: ``sample``), run where the executor samples."""
     executor = runtime.executor()  # this process's engine, or the rollout replicas
     # load_options: a process that loads its own copy loads it as this one does
     load = loading.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
-    if request.tools:  # the environment starts each episode from its data row
-        request = dataclasses.replace(request, rows=tuple(rows))
     held = executor.held_policy(policy_ref.policy_id(policy_path))
     w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
-    prompt_ids = [row_prompt_ids(w.tokenizer, r) for r in rows]
-    check_prompt_lengths(
-        prompt_ids, context=model_context(w.config), max_new_tokens=params.max_new_tokens,
-        field="max_completion_length", source=desc,
-    )  # fmt: skip
-    with timer() as t:
-        samples = executor.sample(w, prompt_ids, request)
     meta = _metadata(policy_path, engine, params, executor.rollout_shards(len(rows)),
                      executor.sampled_dtype(w))  # fmt: skip
-    tok = w.tokenizer
-    table = rollout_table(
-        rows, prompt_ids, samples, tok, policy_id=w.policy_id, iteration=iteration, metadata=meta
-    )
+    done: dict = {}
+
+    def run(prompt_ids, req):  # where the executor samples: its engines, or the replicas
+        with timer() as t:
+            done["samples"] = executor.sample(w, prompt_ids, req)
+        done["seconds"] = t["seconds"]
+        return done["samples"]
+
+    table = grpo_iteration.sample(
+        None, w.tokenizer, rows, request, policy_id=w.policy_id, iteration=iteration, run=run,
+        context=model_context(w.config), metadata=meta,
+    )  # fmt: skip
     write_parquet(table, out_path)
     busy = executor.served_here() if w.model is None else None
-    return RolloutOutcome(out_path, _generation_metrics(samples, t["seconds"]), engine_busy=busy)
+    metrics = _generation_metrics(done["samples"], done["seconds"])
+    return RolloutOutcome(out_path, metrics, engine_busy=busy)
 
 
 def policy_for(executor, checkpoint: str, request: SampleRequest):
@@ -130,18 +129,18 @@ def policy_for(executor, checkpoint: str, request: SampleRequest):
     return lineage.handle(checkpoint)
 
 
-def _metadata(policy_path, engine: dict, params, shards: int, dtype: str) -> dict:
+def _metadata(policy_path, engine: EngineSpec, params, shards: int, dtype: str) -> dict:
     """The rollout file's metadata: what sampled it and how (``dtype``: the sampling
     model's, for the hf engine)."""
     meta = {
         "model": str(policy_path),
-        "engine": engine["name"],
-        "engine_options": engine["options"] or {},
+        "engine": engine.name,
+        "engine_options": dict(engine.options),
         "sampling": params.__dict__,
     }
     if shards > 1:  # shard k samples with seed cluster.rollout_workers.shard_seed(seed, k)
         meta["rollout_shards"] = shards
-    if engine["name"] == "hf":  # the sampling model's dtype (grpo_core/logprobs/old.py)
+    if engine.name == "hf":  # the sampling model's dtype (grpo_core/logprobs/old.py)
         meta["dtype"] = dtype
     return meta
 
@@ -190,7 +189,7 @@ def rollout_shards(n_prompts: int) -> int:
     return runtime.executor().rollout_shards(n_prompts)
 
 
-HF_ENGINE = {"name": "hf", "options": {}, "check_sync": False}  # the default engine spec
+HF_ENGINE = EngineSpec()  # the default: the hf engine, no environment
 
 
 @task(name="rollout", task_run_name="{stage}-rollout-{iteration}", cache_policy=NO_CACHE)
@@ -202,11 +201,11 @@ def rollout(
     out_path: str,
     rl: RLConfig,
     seed: int,
-    engine: dict | None = None,
+    engine: EngineSpec | None = None,
     force: bool = False,
 ) -> RolloutOutcome:
-    """``engine``: ``{"name", "options", "check_sync"}`` (default: the hf engine)."""
-    engine = engine or HF_ENGINE
+    """``engine``: what samples (default: the hf engine)."""
+    engine = EngineSpec.of(engine)
     key = rollout_key(stage, iteration, policy_path, rl_path, rl, seed, engine)
     return cached(
         f"{stage} iteration {iteration} rollout",
@@ -222,13 +221,14 @@ def is_cached(stage, iteration, policy_path, rl_path, out_path, rl, seed, engine
     snapshot of a policy whose rollouts are already there)."""
     from tasks.cache import lookup
 
-    key = rollout_key(stage, iteration, policy_path, rl_path, rl, seed, engine or HF_ENGINE)
+    key = rollout_key(stage, iteration, policy_path, rl_path, rl, seed, EngineSpec.of(engine))
     return lookup(out_path, key) is not None
 
 
 def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engine) -> str:
     """The rollout's cache key: what it samples, and the content hashes of the sampling
     policy and the prompts."""
+    engine = EngineSpec.of(engine)
     params = {
         "prompts_per_iteration": rl.prompts_per_iteration,
         "num_generations": rl.num_generations,
@@ -236,19 +236,19 @@ def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engi
         "iteration": iteration,
         "seed": seed,
         "stage": stage,
-        "engine": engine["name"],
+        "engine": engine.name,
     }
     shards = rollout_shards(rl.prompts_per_iteration)
     if shards > 1:  # each shard samples with its own seed: another sample than one process's
         params["rollout_shards"] = shards
-    if engine.get("tools"):  # the environment's settings (rollout.tools and its knobs)
-        params["tools"] = engine["tools"]
-    code = tool_code(engine.get("tools"))
+    if engine.tools:  # the environment's settings (rollout.tools and its knobs)
+        params["tools"] = engine.tools_settings()
+    code = tool_code(engine.tools)
     return stage_key("rollout", params, [policy_path, rl_path], code=code)
 
 
 def _rollout(
-    stage, iteration, policy_path, rl_path, out_path, rl: RLConfig, seed, engine: dict
+    stage, iteration, policy_path, rl_path, out_path, rl: RLConfig, seed, engine: EngineSpec
 ) -> RolloutOutcome:
     rl_rows = cached_rows(rl_path)
     idx = select_prompts(len(rl_rows), rl.prompts_per_iteration, iteration, seed, stage)

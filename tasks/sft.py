@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import process, storage
+from grpo_core.config.engine import tool_spec_of
 from grpo_core.config.stages import SFTConfig
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.training.checkpoint import policy_id, save_checkpoint
@@ -43,7 +44,7 @@ def train_stage(
     on_resume=None,
     resume_key: str = "",
     data_parallel=None,
-    tools: dict | None = None,
+    tools=None,
 ) -> SFTOutcome:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
 
@@ -195,8 +196,9 @@ def sft_stage(
     # checkpoint_every changes where training can resume from, not its result
     knobs = cfg.model_dump(exclude={"checkpoint_every"})
     settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}
+    tools = tool_spec_of(tools)
     if tools:  # the dev eval's environment decides where early stopping stops
-        settings["tools"] = tools
+        settings["tools"] = tools.as_dict()
     with stage_run(
         tracking, stage, {"init_checkpoint": init_checkpoint}, config=settings
     ) as run_id:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 from flows.preflight._util import first_line
+from grpo_core.config.engine import ENVIRONMENTS
 from grpo_core.errors import UserError
 
 MARKERS = ("tool_call_start", "tool_call_end", "tool_result_start", "tool_result_end")
@@ -50,10 +51,11 @@ def check_tools(cfg, tokenizer=None) -> None:
         _check_template_declares_tools(cfg, tokenizer)
     elif ":" in name:
         _load_environment(name)
-    else:
+    elif name not in ENVIRONMENTS:
         raise UserError(
-            f"rollout.tools: {name!r} is not a tool: give 'python' (the built-in code tool) or "
-            "your environment as 'module:function' or 'path/to/file.py:function'"
+            f"rollout.tools: {name!r} is not an environment: give one of "
+            f"{ENVIRONMENTS.names()} (built in) or your own as 'module:function' or "
+            "'path/to/file.py:function'"
         )
     if r.max_turns < 2:
         raise UserError(

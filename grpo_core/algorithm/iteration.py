@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.config.settings import Scoring
     from grpo_core.config.stages import RLConfig
-    from grpo_core.engines.generation import SamplingParams
     from grpo_core.rewards.scoring import ScoreRequest, ScoreResult
     from grpo_core.training.parallel import LocalParallel
     from grpo_core.training.train_state import TrainState
@@ -60,28 +59,48 @@ def sample(
     engine,
     tokenizer,
     rows: list[dict],
-    params: SamplingParams,
+    request,
     *,
     policy_id: str,
     iteration: int = 0,
     desc: str = "rollout",
     progress: bool = True,
     tools=None,
+    run=None,
+    context: int | None = None,
+    metadata: dict | None = None,
 ) -> pa.Table:
-    """``params.n`` completions of each row's ``prompt`` through the turn loop, as a table
-    of the rollout contract (grpo_core/contracts/rollouts.py). ``tools``: the environment
-    (a ``ToolSpec`` or its fields, ``RolloutConfig.tool_spec()``): tool-using episodes, each
-    started from its row, as the pipeline's rollouts sample them."""
+    """``n`` completions of each row's ``prompt`` through the turn loop, as a table of the
+    rollout contract (grpo_core/contracts/rollouts.py).
+
+    ``request``: a ``SampleRequest`` (grpo_core/engines/turns.py: params, engine options,
+    environment), or just its ``SamplingParams``; ``tools`` (a ``ToolSpec`` or its fields,
+    ``RolloutConfig.tool_spec()``) adds an environment to it. With an environment, each
+    episode starts from its row, as the pipeline's rollouts sample them. ``run(prompt_ids,
+    request)`` samples where the pipeline's executor does (its engine process or the Ray
+    replicas: tasks/rollout.py); by default ``engine`` runs it here. ``context``: the
+    model's positions (prompts that cannot fit ``max_new_tokens`` more are refused, by
+    row); ``metadata``: the rollout file's."""
     from grpo_core.contracts.rollouts import rollout_table
     from grpo_core.contracts.text import row_prompt_ids
-    from grpo_core.engines.turns import run_turns
+    from grpo_core.engines.context import check_prompt_lengths
+    from grpo_core.engines.turns import SampleRequest
 
+    if not isinstance(request, SampleRequest):
+        request = SampleRequest(request, desc=desc)
+    if tools is not None:
+        request = dataclasses.replace(request, tools=tools)
+    if request.tools is not None:  # the environment starts each episode from its data row
+        request = dataclasses.replace(request, rows=tuple(rows))
     prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
-    samples = run_turns(engine, prompt_ids, params, desc=desc, progress=progress, tools=tools,
-                        rows=rows)  # fmt: skip
-    return rollout_table(
-        rows, prompt_ids, samples, tokenizer, policy_id=policy_id, iteration=iteration
-    )
+    check_prompt_lengths(prompt_ids, context=context, max_new_tokens=request.params.max_new_tokens,
+                         field="max_completion_length", source=request.desc)  # fmt: skip
+    if run is not None:
+        samples = run(prompt_ids, request)
+    else:
+        samples = request.run(engine, prompt_ids, progress=progress)
+    return rollout_table(rows, prompt_ids, samples, tokenizer, policy_id=policy_id,
+                         iteration=iteration, metadata=metadata)  # fmt: skip
 
 
 # 2. score -------------------------------------------------------------------------------

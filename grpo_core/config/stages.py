@@ -12,11 +12,12 @@ typed settings a concern reads (``settings.py``, ``loss.py``), and the tasks han
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from grpo_core.config.data import DataConfig, DemoDataConfig, WordProblemsConfig
+from grpo_core.config.engine import EngineSpec, check_engine_name
 from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
 from grpo_core.config.rl import RLConfig
 from grpo_core.config.section import Section, TrainingKnobs
@@ -124,8 +125,16 @@ class VLLMConfig(Section):
 DEFAULT_MAX_BATCH_TOKENS = 65536
 
 
+def _engine_name(value: str | None) -> str | None:
+    """A registered rollout engine (grpo_core/config/engine.py: ``ENGINES``), or None."""
+    return value if value is None else check_engine_name(value, "engine")
+
+
+EngineName = Annotated[str, AfterValidator(_engine_name)]
+
+
 class RolloutConfig(Section):
-    engine: Literal["hf", "vllm"] = "hf"
+    engine: EngineName = Field("hf", description="the rollout engine: hf or vllm (ENGINES)")
     batch_size: int = Field(512, ge=1, description="sequences per generation micro-batch")
     max_batch_tokens: int | None = Field(
         DEFAULT_MAX_BATCH_TOKENS,
@@ -220,9 +229,8 @@ class RolloutConfig(Section):
         """``tools``, or ``['functions']`` when ``functions`` are given."""
         return ["functions"] if self.functions else list(self.tools)
 
-    def tool_spec(self) -> dict | None:
-        """The environment's settings (``grpo_core.config.tools.ToolSpec`` fields), or
-        None without ``tools``."""
+    def tool_spec(self) -> ToolSpec | None:
+        """The environment's settings, or None without ``tools``."""
         if not self.environment:
             return None
         return ToolSpec(
@@ -239,7 +247,7 @@ class RolloutConfig(Section):
             workers=self.tool_workers,
             sandbox=self.tool_sandbox,
             truncation_mark=self.tool_truncation_mark,
-        ).as_dict()
+        )
 
     def engine_options(self, name: str) -> dict:
         if name == "hf":
@@ -248,14 +256,13 @@ class RolloutConfig(Section):
                 "max_batch_tokens": self.max_batch_tokens,
                 "decode": self.hf_decode,
             }
-        return self.vllm.model_dump()
+        return self.vllm.model_dump() if name == "vllm" else {}  # a user's engine: its defaults
 
-    def engine_spec(self, name: str | None = None) -> dict:
-        """``{"name", "options", "check_sync"}`` for a stage (``None``: ``engine``)."""
+    def engine_spec(self, name: str | None = None) -> EngineSpec:
+        """What samples a stage's completions (``name``: its engine; ``None``: ``engine``),
+        built once from this section."""
         name = name or self.engine
-        spec = {"name": name, "options": self.engine_options(name), "check_sync": self.check_sync}
-        tools = self.tool_spec()
-        return {**spec, "tools": tools} if tools else spec
+        return EngineSpec(name, self.engine_options(name), self.check_sync, self.tool_spec())
 
 
 class RejectionConfig(Section):
@@ -271,7 +278,7 @@ class RejectionConfig(Section):
         description="rows of the cold-start SFT data added to the re-SFT set, drawn with the "
         "seed (R1 mixed its SFT data back in); 0: the kept completions only",
     )
-    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
+    engine: EngineName | None = Field(None, description="None: rollout.engine")
     require: list[str] = Field(
         default_factory=lambda: ["accuracy", "format"],
         description="reward functions that must score 1.0 for a completion to be kept",
@@ -291,7 +298,7 @@ class EvalConfig(Section):
         None, ge=0, description="None: greedy for num_samples 1, else 1.0"
     )
     sample_table_rows: int = Field(20, ge=0)
-    engine: Literal["hf", "vllm"] | None = Field(None, description="None: rollout.engine")
+    engine: EngineName | None = Field(None, description="None: rollout.engine")
     accuracy_reward: str = Field(
         "accuracy",
         description="accuracy (<answer> tag), math_verify (\\boxed{}), code_tests (all tests "

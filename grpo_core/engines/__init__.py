@@ -20,12 +20,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from grpo_core.registry import Registry
+from grpo_core.config.engine import ENGINES  # by name: a config checks its names there
 
 if TYPE_CHECKING:  # torch and generation load on first use: `grpo` cached reruns skip them
     import torch
@@ -65,9 +65,6 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-ENGINES: Registry[Callable[..., RolloutEngine]] = Registry("rollout engine")
-
-
 def get_engine(
     name: str,
     *,
@@ -87,20 +84,16 @@ def get_engine(
     return factory(checkpoint=checkpoint, model=model, tokenizer=tokenizer, **opts)
 
 
-def _make_hf(**kw) -> RolloutEngine:
+def make_hf(**kw) -> RolloutEngine:
     from grpo_core.engines.hf import HFEngine
 
     return HFEngine.create(**kw)
 
 
-def _make_vllm(**kw) -> RolloutEngine:
+def make_vllm(**kw) -> RolloutEngine:
     from grpo_core.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine.create(**kw)
-
-
-ENGINES.add("hf", _make_hf)
-ENGINES.add("vllm", _make_vllm)
 
 
 def vllm_available() -> bool:

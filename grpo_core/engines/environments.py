@@ -69,22 +69,21 @@ class Environment(Protocol):
 
 
 def environment(spec: ToolSpec) -> Environment:
-    """The environment of ``spec.tools``: the built-in ``python`` tool, or a user's
-    ``module:function`` factory called with ``spec``."""
-    (name,) = spec.tools if len(spec.tools) == 1 else (None,)
-    if name == "python":
-        return PythonTool(spec)
-    if name == "functions":
-        from grpo_core.engines.functions import FunctionTools
+    """The environment of ``spec.tools``: a registered one (``ENVIRONMENTS``: the built-in
+    ``python`` tool and ``functions``), or a user's ``module:function`` factory, called with
+    ``spec``."""
+    from grpo_core.config.engine import ENVIRONMENTS
 
-        return FunctionTools(spec)
+    (name,) = spec.tools if len(spec.tools) == 1 else (None,)
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS.get(name)(spec)
     if name is not None and ":" in name:
         from grpo_core.rewards.base import load_user_function
 
         return load_user_function(name)(spec)
     raise ValueError(
-        f"rollout.tools: {list(spec.tools)}: give one tool, 'python', 'functions' or "
-        "'module:function'"
+        f"rollout.tools: {list(spec.tools)}: give one environment, one of "
+        f"{ENVIRONMENTS.names()} or 'module:function'"
     )
 
 
@@ -178,10 +177,7 @@ class _PythonEpisode:
 
 
 def load_spec(value: Any) -> ToolSpec | None:
-    """A ``ToolSpec`` from its dict (the engine spec carries it), or None."""
-    if value is None or isinstance(value, ToolSpec):
-        return value
-    data = dict(value)
-    data["tools"] = tuple(data.get("tools") or ())
-    data["functions"] = tuple(data.get("functions") or ())
-    return ToolSpec(**data)
+    """A ``ToolSpec`` from itself or its fields, or None (grpo_core/config/engine.py)."""
+    from grpo_core.config.engine import tool_spec_of
+
+    return tool_spec_of(value)

@@ -65,21 +65,24 @@ class SampleRequest:
     load_options: Mapping[str, Any] = field(default_factory=dict)
     check_sync: bool = False  # probe that the engine's weights are the trainer's
     desc: str = "rollout"
-    tools: Mapping[str, Any] | None = None  # the environment (ToolSpec's fields); None: none
+    tools: ToolSpec | None = None  # the environment; None: single-turn completions
     rows: tuple | None = None  # the prompts' data rows, for environments that read them
 
     @classmethod
-    def of(cls, spec: Mapping, params: SamplingParams, *, load_options=None, desc: str):
-        """The request for an engine ``spec`` (``{"name", "options", "check_sync"}``, the
-        stage's engine setting)."""
+    def of(cls, spec, params: SamplingParams, *, load_options=None, desc: str):
+        """The request for the stage's engine ``spec`` (grpo_core/config/engine.py:
+        ``EngineSpec``, or its settings' dict)."""
+        from grpo_core.config.engine import EngineSpec
+
+        spec = EngineSpec.of(spec)
         return cls(
             params,
-            engine=spec["name"],
-            engine_options=dict(spec.get("options") or {}),
+            engine=spec.name,
+            engine_options=dict(spec.options),
             load_options=dict(load_options or {}),
-            check_sync=bool(spec.get("check_sync", False)),
+            check_sync=spec.check_sync,
             desc=desc,
-            tools=spec.get("tools") or None,
+            tools=spec.tools,
         )
 
     def with_params(self, params: SamplingParams, desc: str | None = None) -> SampleRequest:

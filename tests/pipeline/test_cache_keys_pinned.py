@@ -72,7 +72,7 @@ def test_editing_a_user_environment_or_reward_changes_the_keys(tmp_path, monkeyp
     user = tmp_path / "mine.py"
     user.write_text("def make_env(spec):\n    return None\n\ndef reward(**kw):\n    return []\n")
     rl = RLConfig()
-    engine = {**HF_ENGINE, "tools": {"tools": [f"{user}:make_env"]}}
+    engine = HF_ENGINE.with_tools({"tools": [f"{user}:make_env"]})
 
     def keys():
         return (rollout_key("rl_1", 3, str(a), str(b), rl, 0, engine),
@@ -83,6 +83,6 @@ def test_editing_a_user_environment_or_reward_changes_the_keys(tmp_path, monkeyp
     user.write_text(user.read_text() + "# edited\n")
     after = keys()
     assert after[0] != before[0] and after[1] != before[1]
-    python = {**HF_ENGINE, "tools": {"tools": ["python"]}}
+    python = HF_ENGINE.with_tools({"tools": ["python"]})
     assert cache.user_code(["python", "accuracy"]) == {}
     assert rollout_key("rl_1", 3, str(a), str(b), rl, 0, python) != before[0]

@@ -145,10 +145,10 @@ def test_gpu_presets_validate_and_build_their_engines_settings(name):
     dtype, preset = GPU_PRESETS[name]
     assert cfg.rollout.engine == "vllm" and cfg.data.preset == preset
     spec = cfg.rollout.engine_spec()
-    assert spec["name"] == "vllm"
+    assert spec.name == "vllm"
     for stage_engine in (cfg.eval.engine, cfg.rejection_sampling.engine):
-        assert cfg.rollout.engine_spec(stage_engine)["name"] == "vllm"
-    opts = llm_options("/ckpt", device="cuda", **spec["options"])
+        assert cfg.rollout.engine_spec(stage_engine).name == "vllm"
+    opts = llm_options("/ckpt", device="cuda", **spec.options)
     v = cfg.rollout.vllm
     assert opts.llm_kwargs == {
         "model": "/ckpt",
@@ -167,7 +167,7 @@ def test_gpu_presets_validate_and_build_their_engines_settings(name):
     assert opts.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     assert v.max_model_len >= cfg.rl.max_completion_length
     # every field of the section reaches the builder (a new knob must be wired, not dropped)
-    assert set(spec["options"]) == set(type(v).model_fields)
+    assert set(spec.options) == set(type(v).model_fields)
 
 
 def test_vllm_settings_on_cpu_and_with_several_gpus():
@@ -293,8 +293,36 @@ def test_async_vllm_adapter_sync_on_one_machine_is_refused():
 def test_trls_max_tool_calling_iterations_is_read_as_max_turns():
     cfg = load_config(None, ["rollout.tools=[python]", "rollout.max_tool_calling_iterations=2"])
     assert cfg.rollout.max_turns == 3  # two calls, then the answering turn
-    assert cfg.rollout.tool_spec()["max_turns"] == 3
+    assert cfg.rollout.tool_spec().max_turns == 3
     with pytest.raises(UserError, match="max_tool_calling_iterations 2 and max_turns 5 disagree"):
         load_config(None, ["rollout.max_tool_calling_iterations=2", "rollout.max_turns=5"])
     with pytest.raises(UserError, match="max_tool_calling_iterations -1: a number of tool calls"):
         load_config(None, ["rollout.max_tool_calling_iterations=-1"])
+
+
+def test_engine_and_environment_names_are_checked_by_their_registries():
+    """A typo in an engine name is refused when the config loads, naming the registered
+    engines; an engine registered by the user is accepted (the same registry the engines
+    are made from)."""
+    from grpo_core.config.engine import ENGINES, ENVIRONMENTS, EngineSpec
+
+    with pytest.raises(
+        UserError, match=r"'vlm' is not a rollout engine; expected one of \['hf', 'vllm'\]"
+    ):
+        load_config(None, ["rollout.engine=vlm"])
+    with pytest.raises(UserError, match="not a rollout engine"):
+        load_config(None, ["eval.engine=hff"])
+    ENGINES.add("mine", "grpo_core.engines:make_hf")
+    try:
+        cfg = load_config(None, ["rollout.engine=mine"])
+        spec = cfg.rollout.engine_spec()
+        assert isinstance(spec, EngineSpec) and spec.name == "mine"
+    finally:
+        ENGINES.remove("mine")
+    assert ENVIRONMENTS.names() == ["functions", "python"]
+    cfg = load_config(None, ["rollout.tools=[python]", "rollout.max_turns=3"])
+    spec = cfg.rollout.engine_spec()
+    # one typed value, the environment's knobs under one set of names; as plain data for the
+    # stage keys exactly the dict they always took
+    assert spec.tools.max_turns == 3 and spec.settings()["tools"] == spec.tools.as_dict()
+    assert EngineSpec.of(spec.settings()) == spec
