@@ -3,7 +3,7 @@
 :func:`run_isolated` builds the launcher's command for the mode (``bwrap``'s arguments, the
 ``namespaces`` launcher ``_nsinit.py`` with its JSON config, or the bare harness for ``none``;
 plus ``setpriv`` for the uid drop), a scrubbed environment and the rlimits, starts it in its own
-session, writes the payload to its
+session (dying with the calling thread: a parent-death signal), writes the payload to its
 stdin and drains the verdict pipe. At the wall-clock timeout or once it ends, the sandbox's
 pid-1 (reported by the launcher, opened as a pidfd) and then the launcher's process group are
 SIGKILLed, and both are reaped (:mod:`grpo_core.sandbox.reaper`), so nothing it started
@@ -13,6 +13,7 @@ outlives the verdict, not even a zombie. The records are read by
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -147,8 +148,13 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
 
 def _preexec(limits: Limits):
     values = [(getattr(resource, k), v) for k, v in _rlimits(limits).items()]
+    prctl = ctypes.CDLL(None).prctl  # loaded here: nothing is imported between fork and exec
+    parent = os.getpid()
 
     def set_limits() -> None:  # runs in the child between fork and exec: keep it minimal
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the calling thread
+        if os.getppid() != parent:  # the scorer died before that: bwrap would outlive it
+            os._exit(125)
         for res, value in values:
             resource.setrlimit(res, value)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
