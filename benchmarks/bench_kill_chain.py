@@ -30,6 +30,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -39,8 +40,9 @@ DRIVER = ROOT / "tests" / "tools" / "reaping_driver.py"
 
 def arm(*args: str) -> dict:
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, str(DRIVER), *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    with tempfile.TemporaryDirectory() as tmp:  # what killed scorers leave, gone with it
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": tmp}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return {"error": proc.stderr.strip()[-300:]}

@@ -23,8 +23,10 @@ DRIVER = str(Path(__file__).with_name("reaping_driver.py"))
 ISOLATIONS = ["bwrap", "namespaces"]
 
 
-def in_own_pid_namespace(isolation: str, *args: str) -> object:
-    """Run the driver as PID 1 of a new pid namespace; its JSON answer."""
+def in_own_pid_namespace(tmp: Path, isolation: str, *args: str) -> object:
+    """Run the driver as PID 1 of a new pid namespace; its JSON answer. ``tmp``: the scorers'
+    temporary folder (a killed one leaves its sandbox folders behind, named by a pid that
+    means nothing outside the namespace)."""
     try:
         detect_isolation(isolation)
     except SandboxUnavailable as exc:
@@ -32,7 +34,7 @@ def in_own_pid_namespace(isolation: str, *args: str) -> object:
     if shutil.which("unshare") is None:
         pytest.skip("no unshare here (util-linux)")
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, DRIVER, *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if proc.returncode != 0 and proc.stderr.startswith("unshare"):
         pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[:200]}")
@@ -43,10 +45,10 @@ def in_own_pid_namespace(isolation: str, *args: str) -> object:
 
 @pytest.mark.parametrize("path", ["code-fresh", "tool-fresh", "tool-warm"])
 @pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_thirty_calls_leave_no_zombie_under_a_pid_1_that_does_not_reap(isolation, path):
+def test_thirty_calls_leave_no_zombie_under_a_pid_1_that_does_not_reap(isolation, path, tmp_path):
     """30 calls, three of them timed out: no zombie while the scorer runs nor once it has
     exited (its warm servers closed at exit), nothing left running."""
-    res = in_own_pid_namespace(isolation, "calls", path, isolation, "30")
+    res = in_own_pid_namespace(tmp_path, isolation, "calls", path, isolation, "30")
     assert res == {"rc": 0, "zombies_during": 0, "zombies_after": 0, "alive_after": []}
 
 
@@ -59,11 +61,12 @@ WARM_TRIALS = [["launcher", 0.3], ["init", 0.3], ["none", 0.0], ["none", 0.1]]
 
 @pytest.mark.parametrize("path", ["code-fresh", "tool-fresh", "tool-warm"])
 @pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_a_scorer_killed_while_its_sandbox_starts_leaves_nothing_running(isolation, path):
+def test_a_scorer_killed_while_its_sandbox_starts_leaves_nothing_running(isolation, path, tmp_path):
     """A fresh sandbox outlived its scorer when the scorer died before bwrap set its
     parent-death signal, or the namespaces launcher died before its init set its own; a
     warm server already died with it in both windows (kept here as a guard)."""
     trials = WARM_TRIALS if path == "tool-warm" else FRESH_TRIALS[isolation]
     trials = [t for t in trials if t[0] != ("init" if isolation == "bwrap" else "launcher")]
-    report = in_own_pid_namespace(isolation, "kills", path, isolation, json.dumps(trials))
+    trials_json = json.dumps(trials)
+    report = in_own_pid_namespace(tmp_path, isolation, "kills", path, isolation, trials_json)
     assert [left for _, _, left in report["trials"]] == [[]] * len(trials), report
