@@ -21,7 +21,9 @@ Guarantees of ``bwrap`` and ``namespaces`` (tests/rewards/test_sandbox.py runs e
 program class under each mode the machine has): no write outside the private tmpfs, no
 network, no signal to any host process, neither the scorer's environment nor any host
 ``/proc/<pid>/environ`` readable, nothing left running once the verdict is returned (the
-sandbox's pid-1 is killed and its exit waited for through a pidfd), CPU and memory capped
+sandbox's pid-1 is killed and its exit waited for through a pidfd), nor a zombie, also under
+a PID 1 that does not reap, nothing outliving a scorer that dies (parent-death signals, in
+every window of a start), CPU and memory capped
 (``RLIMIT_CPU``, ``RLIMIT_AS`` of the program's one process, ``RLIMIT_NPROC`` for the random
 uid, tmpfs size), no nested namespace. When the scorer is root the program runs as
 a random unprivileged uid: root ignores ``RLIMIT_NPROC``.
@@ -40,6 +42,7 @@ counting as failed. Exit codes and output are never trusted.
 
 Layout: :mod:`grpo_core.sandbox.isolation` chooses the mode (probed once per process),
 :mod:`grpo_core.sandbox.launcher` starts one program under it and cleans up,
+:mod:`grpo_core.sandbox.reaper` ends a sandbox and reaps every process it started,
 :mod:`grpo_core.sandbox.verdict` reads the verdict into a :class:`RunResult`. This module is
 the public entry: :func:`run_program` and the names callers use.
 """

@@ -2,12 +2,13 @@
 this file's text> <verdict_fd>``. Stdlib only.
 
 It reads a JSON payload from stdin (program, tests, nonce, the candidate process's code),
-closes stdin, and starts the **candidate process** (``_candidate.py``, a fresh interpreter:
-nothing of this process's memory, no nonce and no verdict pipe reach it). The model's program
-runs only there. The tests run here, in this process, against proxies: every name the tests
-take from the program (``credit.analyse``) is a :class:`Remote` whose call sends the
-arguments to the candidate process and returns its answer decoded as plain builtin values
-(``_wire.py``), or a plain value the program defined. Every assert is decided here on those
+closes stdin (and exits if the scorer is already gone: ``_scorer_gone``), and starts the
+**candidate process** (``_candidate.py``, a fresh interpreter: nothing of this process's
+memory, no nonce and no verdict pipe reach it). The model's program runs only there. The
+tests run here, in this process, against proxies: every name the tests take from the program
+(``credit.analyse``) is a :class:`Remote` whose call sends the arguments to the candidate
+process and returns its answer decoded as plain builtin values (``_wire.py``), or a plain
+value the program defined. Every assert is decided here on those
 values, and only this process writes to the verdict pipe, one JSON line per event:
 ``[nonce, kind, id, ok, message]``. Records of a forked child are dropped (pid check);
 records without the nonce are ignored by the scorer.
@@ -23,6 +24,7 @@ import ast
 import builtins
 import json
 import os
+import select
 import subprocess
 import sys
 
@@ -375,9 +377,20 @@ def _run_tests(tests, tests_error, tns, payload, link, emit):
         emit("tests", "", False, _exc_message(exc))
 
 
+def _scorer_gone(fd):
+    """Nobody holds the verdict pipe's read end: the scorer died. Its launcher then died with
+    it (parent-death signal), possibly before this sandbox's pid-1 (bwrap's, which does not
+    check) asked to die with the launcher: nothing would end this run."""
+    poll = select.poll()
+    poll.register(fd, 0)  # POLLERR is always reported: a pipe with no reader left
+    return bool(poll.poll(0))
+
+
 def _harness():
     fd = int(sys.argv[1])
     payload = _read_payload()
+    if _scorer_gone(fd):
+        os._exit(125)
     emit = _emitter(fd, payload.pop("nonce"), os.getpid())
     set_not_dumpable()  # noqa: F821 (_seccomp.py)
     kind = payload["kind"]

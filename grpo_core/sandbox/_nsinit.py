@@ -20,9 +20,10 @@
    exits, and the kernel kills every process left in the pid namespace (a double-forked
    ``setsid`` daemon included) before the launcher sees the exit. If the launcher dies
    (the scorer died, or ``deadline`` passed), the init gets SIGKILL (parent-death signal), and
-   with it the whole namespace. The launcher writes the init's pid to stdout: the scorer
-   kills the init through a pidfd at its timeout and waits for its exit, which the kernel
-   signals only once the namespace is empty.
+   with it the whole namespace; an init whose launcher ended before it set that signal (a
+   pidfd on the launcher says so) exits at once. The launcher writes the init's pid to
+   stdout: the scorer kills the init through a pidfd at its timeout and waits for its exit,
+   which the kernel signals only once the namespace is empty.
 
 A failed setup step exits 125 with ``sandbox setup failed: <step>: <errno>`` on stderr.
 """
@@ -31,6 +32,7 @@ import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import sys
 
@@ -133,8 +135,13 @@ def become_harness():
     sys.argv[1:] = [str(CFG["fd"])]
 
 
-def init():
+def init(launcher):
     LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # the launcher ended before that: no signal will come. (getppid() cannot tell: it is 0
+    # here, the parent being outside the new pid namespace)
+    if select.select([launcher], [], [], 0)[0]:
+        os._exit(125)
+    os.close(launcher)
     LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     null = os.open("/dev/null", os.O_WRONLY)
     os.dup2(null, 1)  # stdout is the launcher's pid report to the scorer: not ours to hold
@@ -178,13 +185,15 @@ def setup():
             write("/proc/self/gid_map", f"{gid} {gid} 1")
         except OSError as exc:
             fail("user namespace map", exc.errno or 0)
+    launcher = os.pidfd_open(os.getpid())  # readable in the init once this process ended
     child = os.fork()
     if child == 0:
         try:
-            init()  # returns only in the harness process
+            init(launcher)  # returns only in the harness process
         except OSError as exc:
             fail("init", exc.errno or 0)
         return
+    os.close(launcher)
     os.close(CFG["fd"])
     os.close(0)
     os.write(1, str(child).encode())  # the init's host pid: the scorer holds a pidfd on it

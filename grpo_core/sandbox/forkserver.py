@@ -17,7 +17,8 @@ Servers are pooled per isolation and tmpfs size, as many as the tool calls run a
 (``ToolSpec.workers``), one call at a time each. They are started from one long-lived thread
 (bwrap's ``--die-with-parent`` and the namespaces launcher's parent-death signal follow the
 thread that started them), die with this process (parent-death signals, SIGKILL included),
-and are shut down at exit.
+and are shut down at exit; every process of a server is reaped when it is closed
+(:mod:`grpo_core.sandbox.reaper`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from grpo_core.sandbox import launcher
+from grpo_core.sandbox import launcher, reaper
 from grpo_core.sandbox.launcher import Limits, _rlimits
 from grpo_core.sandbox.verdict import RunResult, ended
 
@@ -80,7 +81,7 @@ class _Server:
     """One server: the launcher process, the sandbox's pid 1 (a pidfd) and the socket."""
 
     def __init__(self, iso: Isolation, tmp_bytes: int):
-        self.calls, self.proc, self.pidfd = 0, None, -1
+        self.calls, self.proc, self.pidfd, self.closed = 0, None, -1, False
         launcher._sweep_orphans()
         self.workdir = tempfile.mkdtemp(prefix=f"{launcher._WORKDIR_PREFIX}{os.getpid()}-")
         os.chmod(self.workdir, 0o700)
@@ -95,6 +96,7 @@ class _Server:
         else:
             cfg = launcher.nsinit_config(self.workdir, None, fd, _SERVER_RLIMITS, tmp_bytes, 0)
             cmd = [launcher._python(), *argv, launcher._NSINIT + "\n" + SERVER, cfg]
+        reaper.hold()  # released in close(): the pid-1, orphaned, comes back to be reaped
         try:
             self.proc = subprocess.Popen(
                 cmd,
@@ -110,7 +112,7 @@ class _Server:
             guest.close()
             os.close(iw)
             iw = -1
-            self.pidfd = launcher._open_sandbox_init(ir, self.proc, time.monotonic() + _START_S)
+            self.pidfd = reaper.open_pid1(ir, self.proc, time.monotonic() + _START_S)
             ready = self._answer(time.monotonic() + _START_S)
         except BaseException:
             self.close()
@@ -193,19 +195,21 @@ class _Server:
         return answer, bytes(out)
 
     def close(self) -> None:
-        """Kill the sandbox (its pid 1: the kernel empties the pid namespace) and wait."""
+        """Kill the sandbox (its pid 1: the kernel empties the pid namespace), reap it and
+        the launcher."""
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
         if self.proc is not None:
-            launcher._kill(self.proc, self.pidfd)
-            self.proc.wait()
-            launcher._await_exit(self.pidfd)
+            reaper.stop(self.proc, self.pidfd)
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1
         shutil.rmtree(self.workdir, ignore_errors=True)
         self.err.close()
-        launcher._reap_orphans()
+        reaper.release()
 
 
 _STARTER: ThreadPoolExecutor | None = None  # the long-lived thread servers are started from

@@ -3,21 +3,22 @@
 :func:`run_isolated` builds the launcher's command for the mode (``bwrap``'s arguments, the
 ``namespaces`` launcher ``_nsinit.py`` with its JSON config, or the bare harness for ``none``;
 plus ``setpriv`` for the uid drop), a scrubbed environment and the rlimits, starts it in its own
-session, writes the payload to its stdin and drains the verdict pipe. At the wall-clock timeout
-or once it ends, the sandbox's pid-1 (reported by the launcher, opened as a pidfd) and the
-launcher's process group are SIGKILLed and the pid-1's exit awaited, so nothing it started
-outlives the verdict. The records are read by :func:`grpo_core.sandbox.verdict.read_verdict`.
+session (dying with the calling thread: a parent-death signal), writes the payload to its
+stdin and drains the verdict pipe. At the wall-clock timeout or once it ends, the sandbox's
+pid-1 (reported by the launcher, opened as a pidfd) and then the launcher's process group are
+SIGKILLed, and both are reaped (:mod:`grpo_core.sandbox.reaper`), so nothing it started
+outlives the verdict, not even a zombie. The records are read by
+:func:`grpo_core.sandbox.verdict.read_verdict`.
 """
 
 from __future__ import annotations
 
-import contextlib
+import ctypes
 import json
 import math
 import os
 import resource
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from grpo_core.sandbox import reaper
 from grpo_core.sandbox.verdict import RunResult, read_verdict
 
 if TYPE_CHECKING:
@@ -146,8 +148,13 @@ def _rlimits(limits: Limits) -> dict[str, tuple[int, int]]:
 
 def _preexec(limits: Limits):
     values = [(getattr(resource, k), v) for k, v in _rlimits(limits).items()]
+    prctl = ctypes.CDLL(None).prctl  # loaded here: nothing is imported between fork and exec
+    parent = os.getpid()
 
     def set_limits() -> None:  # runs in the child between fork and exec: keep it minimal
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the calling thread
+        if os.getppid() != parent:  # the scorer died before that: bwrap would outlive it
+            os._exit(125)
         for res, value in values:
             resource.setrlimit(res, value)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
@@ -197,6 +204,8 @@ def run_isolated(
     vr, vw = os.pipe()  # the verdict
     ir, iw = os.pipe()  # the sandbox's pid-1, as "<pid>" (namespaces) or bwrap's JSON
     pidfd = -1
+    if iso.contained:
+        reaper.hold()  # its pid-1, orphaned, comes back here to be reaped
     try:
         if iso.drop_uid and iso.mode == "none":
             os.chown(workdir, uid, uid)
@@ -214,23 +223,23 @@ def run_isolated(
                 start_new_session=True,
                 preexec_fn=None if iso.mode == "namespaces" else _preexec(limits),
             )
-            for fd in (vw, iw):
-                os.close(fd)
-            vw = iw = -1
             chunks: list[bytes] = []
-            reader = threading.Thread(target=_drain, args=(vr, chunks), daemon=True)
-            reader.start()
-            writer = threading.Thread(target=_feed, args=(proc, data), daemon=True)
-            writer.start()
-            pidfd = _open_sandbox_init(ir, proc, t0 + limits.wall_seconds)
-            timed_out = False
             try:
-                proc.wait(timeout=max(0.0, limits.wall_seconds - (time.monotonic() - t0)))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            _kill(proc, pidfd)
-            proc.wait()
-            _await_exit(pidfd)  # the sandbox's pid-1 is gone: so is every process it held
+                for fd in (vw, iw):
+                    os.close(fd)
+                vw = iw = -1
+                reader = threading.Thread(target=_drain, args=(vr, chunks), daemon=True)
+                reader.start()
+                writer = threading.Thread(target=_feed, args=(proc, data), daemon=True)
+                writer.start()
+                pidfd = reaper.open_pid1(ir, proc, t0 + limits.wall_seconds)
+                timed_out = False
+                try:
+                    proc.wait(timeout=max(0.0, limits.wall_seconds - (time.monotonic() - t0)))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+            finally:  # the sandbox's pid-1 killed and reaped: so is every process it held
+                reaper.stop(proc, pidfd, iso.contained)
             reader.join(timeout=5)
             wall = time.monotonic() - t0
             err.seek(0)
@@ -240,82 +249,11 @@ def run_isolated(
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-        _reap_orphans()
+        if iso.contained:
+            reaper.release()
     return read_verdict(
         b"".join(chunks), nonce, counted, timed_out, proc.returncode, wall, tail, limits, payload
     )
-
-
-_ORPHANS = ("bwrap", "setpriv")  # what a sandbox run leaves to the reaper: bwrap's own children
-
-
-def _reap_orphans() -> None:
-    """Where this process is PID 1 (a container's entry point, ``unshare --pid --fork``), the
-    orphans of a sandbox run are reparented to it: bwrap leaves one exited child per call,
-    which nothing else would reap. Reap the zombies among this process's children that are
-    the sandbox's (by name: a zombie a ``Popen`` of ours owns is left to its ``wait``)."""
-    if os.getpid() != 1:
-        return
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{name}/stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.find("(") + 1 : stat.rfind(")")]
-        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
-        if state == "Z" and ppid == "1" and comm in _ORPHANS:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(int(name), os.WNOHANG)
-
-
-def _open_sandbox_init(info_fd: int, proc: subprocess.Popen, deadline: float) -> int:
-    """A pidfd on the sandbox's pid-1 (-1 in mode none, or if it already ended): the process
-    whose pid the launcher (bwrap or _nsinit.py) reported, checked to be the launcher's child
-    after the pidfd was opened, so a recycled pid is never signalled."""
-    raw = b""
-    with contextlib.suppress(OSError):
-        while len(raw) < 4096:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([info_fd], [], [], wait)[0]:
-                break
-            if not (chunk := os.read(info_fd, 4096)):
-                break
-            raw += chunk
-    try:
-        text = raw.decode()
-        pid = int(json.loads(text)["child-pid"] if text.lstrip().startswith("{") else text)
-    except (ValueError, KeyError, TypeError):
-        return -1
-    try:
-        fd = os.pidfd_open(pid)
-    except OSError:
-        return -1
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-        ppid = int(next(ln for ln in status.splitlines() if ln.startswith("PPid:")).split()[1])
-    except (OSError, StopIteration, ValueError, IndexError):
-        ppid = None
-    if ppid != proc.pid:  # already gone (and its pid possibly someone else's)
-        os.close(fd)
-        return -1
-    return fd
-
-
-def _kill(proc: subprocess.Popen, pidfd: int) -> None:
-    """SIGKILL the sandbox's pid-1 (the kernel then kills its whole pid namespace) and the
-    launcher's process group."""
-    if pidfd >= 0:
-        with contextlib.suppress(OSError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _await_exit(pidfd: int, timeout: float = 10.0) -> None:
-    if pidfd >= 0:  # readable once the process has exited, after its namespace was emptied
-        select.select([pidfd], [], [], timeout)
 
 
 def _feed(proc: subprocess.Popen, data: bytes) -> None:
