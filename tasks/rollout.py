@@ -98,14 +98,15 @@ def write_rollouts(
     request = SampleRequest.of(engine, params, load_options=load, desc=desc)
     held = executor.held_policy(policy_ref.policy_id(policy_path))
     w = held or policy_for(executor, policy_path, request)  # held: rl.async_level
-    meta = _metadata(policy_path, engine, params, executor.rollout_shards(len(rows)),
-                     executor.sampled_dtype(w))  # fmt: skip
+    meta: dict = {}  # filled once sampled: the dtype is the samplers' (the replicas exist then)
     done: dict = {}
 
     def run(prompt_ids, req):  # where the executor samples: its engines, or the replicas
         with timer() as t:
             done["samples"] = executor.sample(w, prompt_ids, req)
         done["seconds"] = t["seconds"]
+        meta.update(_metadata(policy_path, engine, params, executor.rollout_shards(len(rows)),
+                              executor.sampled_dtype(w)))  # fmt: skip
         return done["samples"]
 
     table = grpo_iteration.sample(
