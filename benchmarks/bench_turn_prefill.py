@@ -3,6 +3,7 @@ turn the whole context (``turn_cache=False``, the old path) against keeping each
 KV cache across its turns (grpo_core/engines/turn_cache.py).
 
     python benchmarks/bench_turn_prefill.py [--episodes 16] [--repeats 3] [--decode dynamic]
+        [--threads 1]
 
 The model is the tool demo's shape (a 4-layer, 128-wide Qwen2, random weights, the tool
 vocabulary) with a clock on its logits: the call marker ``</tool_call>`` is forced at every
@@ -107,7 +108,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode", default="dynamic", choices=["dynamic", "static"])
     p.add_argument("--turns", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier)")
     a = p.parse_args()
+    torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     model, tok = clock_model()
     print(f"{a.episodes} episodes, {TURN} positions a turn, decode {a.decode}, "

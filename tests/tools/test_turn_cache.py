@@ -185,3 +185,35 @@ def test_the_option_is_on_for_tools_and_absent_without():
     assert off["turn_cache"] is False
     assert "turn_cache" not in RolloutConfig().engine_options("hf")  # one turn: as before
     assert HFEngine(None, None, turn_cache=False).turn_cache() is None
+
+
+def test_the_same_inputs_give_the_same_episodes_bit_for_bit(clocked):
+    """A run and its resume replay a rollout from the same inputs: with the kept cache the
+    episodes are the same, log-probs to the bit, from a fresh engine each time."""
+    model, tok = clocked
+    params = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=_budget(4), seed=5)
+    a = _run(model, tok, kept=True, params=params, turns=4, batch_size=4)[1]
+    b = _run(model, tok, kept=True, params=params, turns=4, batch_size=4)[1]
+    assert [(s.completion_ids, s.logprobs, s.policy_logprobs, s.turns) for s in a] == [
+        (s.completion_ids, s.logprobs, s.policy_logprobs, s.turns) for s in b
+    ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_replay_across_turns_and_equal_the_full_recompute(monkeypatch):
+    model, tok = BENCH.clock_model(hidden_size=32, layers=2)
+    model = model.to("cuda")
+    made = []
+
+    class Counted(static_decode._Step):
+        def __init__(self, *a, **kw):
+            made.append(1)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(static_decode, "_Step", Counted)
+    params = SamplingParams(n=2, temperature=0, max_new_tokens=_budget())
+    _, a = _run(model, tok, kept=False, params=params, decode="dynamic")
+    engine, b = _run(model, tok, kept=True, params=params, decode="cuda_graphs")
+    assert engine.last_decode == "cuda_graphs", "the graph capture failed (see the log)"
+    assert len(made) <= 2
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
