@@ -2,16 +2,17 @@
 turn the whole context (``turn_cache=False``, the old path) against keeping each episode's
 KV cache across its turns (grpo_core/engines/turn_cache.py).
 
-    python benchmarks/bench_turn_prefill.py [--episodes 16] [--repeats 3] [--decode dynamic]
+    python benchmarks/bench_turn_prefill.py [--episodes 128] [--repeats 3] [--decode dynamic]
         [--threads 1]
 
 The model is the tool demo's shape (a 4-layer, 128-wide Qwen2, random weights, the tool
 vocabulary) with a clock on its logits: the call marker ``</tool_call>`` is forced at every
 ``TURN``-th position and never elsewhere, EOS never, so every turn is a call and every
 episode runs its turns out; the environment answers each call with an observation of 4-12
-tokens. Prefill tokens are the tokens fed to the model's prefill forwards (padding not
-counted; positions with padding in their own column), as the engine counts them; wall is the
-best of ``--repeats`` runs of the whole turn loop, both paths in this one process.
+tokens. 128 episodes: as many as the tool demo samples an iteration (16 prompts x 8).
+Prefill tokens: the real tokens fed to the model's prefill forwards, as the engine counts
+them (``HFEngine.fed``); wall: the best of ``--repeats`` runs of the whole turn loop, both
+paths in this one process.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def measure(model, tok, turns: int, kept: bool, episodes: int, decode: str, para
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--episodes", type=int, default=16)
+    p.add_argument("--episodes", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode", default="dynamic", choices=["dynamic", "static"])
     p.add_argument("--turns", type=int, nargs="+", default=[1, 2, 4, 8])
