@@ -244,6 +244,8 @@ def rollout_key(stage, iteration, policy_path, rl_path, rl: RLConfig, seed, engi
         params["rollout_shards"] = shards
     if engine.tools:  # the environment's settings (rollout.tools and its knobs)
         params["tools"] = engine.tools_settings()
+        if engine.options.get("turn_cache") is False:  # the hf engine's re-read of each turn:
+            params["hf_turn_cache"] = False  # other rounding (the default keeps keys as they were)
     code = tool_code(engine.tools)
     return stage_key("rollout", params, [policy_path, rl_path], code=code)
 

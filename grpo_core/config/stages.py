@@ -148,6 +148,12 @@ class RolloutConfig(Section):
         "static (static KV cache, host reads every few steps), cuda_graphs (static, each step "
         "replayed from a CUDA graph); auto: cuda_graphs on a CUDA device, else dynamic",
     )
+    hf_turn_cache: bool = Field(
+        True,
+        description="hf, tools only: keep each episode's KV cache across its turns, so a "
+        "turn feeds only its new tokens (the same samples up to float rounding); false: each "
+        "turn feeds the whole context again",
+    )
     check_sync: bool = Field(False, description="greedy probe after each weight sync")
     vllm: VLLMConfig = VLLMConfig()
     tools: list[str] = Field(
@@ -255,7 +261,7 @@ class RolloutConfig(Section):
                 "batch_size": self.batch_size,
                 "max_batch_tokens": self.max_batch_tokens,
                 "decode": self.hf_decode,
-            }
+            } | ({"turn_cache": self.hf_turn_cache} if self.environment else {})
         return self.vllm.model_dump() if name == "vllm" else {}  # a user's engine: its defaults
 
     def engine_spec(self, name: str | None = None) -> EngineSpec:

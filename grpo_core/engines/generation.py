@@ -205,12 +205,22 @@ def _generate_batch(
     eos_ids: set[int],
     generator: torch.Generator | None,
     stop_hits: Callable[[list[list[int]]], list[bool]] | None = None,
+    *,
+    stats: dict | None = None,
+    turn=None,
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """One micro-batch. ``turn`` (grpo_core/engines/turn_cache.py): the episodes' KV kept
+    from their earlier turns (only the tokens after it are fed) and kept again for the next."""
     device = model.device
     B = len(prompts)
     input_ids, attn = _left_pad(prompts, pad_id, device)
+    prompt_attn = attn  # the whole contexts' tokens (repetition penalty)
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
     cache = DynamicCache()
+    step_ids, step_pos = input_ids, position_ids
+    if turn is not None and (begun := turn.start(input_ids, attn, pad_id)) is not None:
+        cache, step_ids, attn, step_pos = begun
+    count_prefill(stats, attn[:, -step_ids.shape[1] :])
     eos = torch.tensor(sorted(eos_ids), device=device)
     processed = processes_distribution(params)
     out = _Completions(B, params.max_new_tokens, pad_id, device, policy=processed)
@@ -221,7 +231,6 @@ def _generate_batch(
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None  # [b, V] bool: tokens in prompt or completion (repetition penalty)
 
-    step_ids, step_pos = input_ids, position_ids
     last_only = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
     for t in range(params.max_new_tokens):
         logits = (
@@ -240,7 +249,7 @@ def _generate_batch(
         if params.repetition_penalty != 1.0:
             if seen is None:  # the first step: attn is the prompts' mask
                 counts = torch.zeros(logits.shape, dtype=torch.long, device=device)  # [B, V]
-                seen = counts.scatter_add_(1, input_ids, attn) > 0  # prompt, no padding
+                seen = counts.scatter_add_(1, input_ids, prompt_attn) > 0  # no padding
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         logprobs, tok = _next_tokens(logits, params, generator)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
@@ -259,12 +268,24 @@ def _generate_batch(
         step_pos = step_pos[:, -1:] + 1
         if int(done.sum()) * 8 >= len(rows):  # an eighth finished: drop them from the batch
             keep = (~done).nonzero().squeeze(-1)
+            if turn is not None:  # their KV first, for their next turn
+                turn.keep(cache, done.nonzero().squeeze(-1), rows, attn)
             cache.batch_select_indices(keep)
             rows, done, attn = rows[keep], done[keep], attn[keep]
             step_ids, step_pos = step_ids[keep], step_pos[keep]
             seen = None if seen is None else seen[keep]
         attn = torch.cat([attn, (~done).long()[:, None]], dim=1)  # [b, L+t+1]
+    if turn is not None:
+        turn.keep(cache, done.nonzero().squeeze(-1), rows, attn)
     return out.lists()
+
+
+def count_prefill(stats: dict | None, fed: torch.Tensor) -> None:
+    """Add a prefill forward's tokens to ``stats``: ``prefill_tokens`` (real ones) and
+    ``prefill_positions`` (padding included).  fed: [b, q] attention mask of the fed tokens"""
+    if stats is not None:
+        stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + int(fed.sum())
+        stats["prefill_positions"] = stats.get("prefill_positions", 0) + fed.numel()
 
 
 def stop_strings(tokenizer, stops: tuple[str, ...]) -> Callable[[list[list[int]]], list[bool]]:
@@ -335,9 +356,7 @@ def _decode_loop(model, decode: str, stats: dict | None):
         stats["decode"] = decode
     if decode == "dynamic":
         return _generate_batch
-    static = partial(
-        static_decode.generate_batch_static, graphs=decode == "cuda_graphs", stats=stats
-    )
+    static = partial(static_decode.generate_batch_static, graphs=decode == "cuda_graphs")
     if decode == "cuda_graphs" and next(model.parameters()).device.type != "cuda":
         raise ValueError("decode='cuda_graphs' needs the model on a CUDA device")
     if not auto:
@@ -376,6 +395,8 @@ def generate(
     progress: bool = True,
     decode: str = "auto",
     stats: dict | None = None,
+    turns=None,
+    episodes: list | None = None,
 ) -> list[Sample]:
     """Sample ``params.n`` completions for each tokenised prompt.
 
@@ -385,7 +406,11 @@ def generate(
     default), ``static`` (``grpo_core.engines.static_decode``: fixed shapes, a static KV cache, the
     host reads every few steps), ``cuda_graphs`` (static, each decode step replayed from a
     CUDA graph), ``auto`` (``cuda_graphs`` on a CUDA device where the model supports it, else
-    ``dynamic``). ``stats`` gets ``decode``: the mode that ran.
+    ``dynamic``). ``stats`` gets ``decode``: the mode that ran, and ``prefill_tokens``.
+    ``turns`` (a :class:`grpo_core.engines.turn_cache.TurnCache`) keeps each sample's KV
+    cache for its episode's next turn, ``episodes[i]`` naming job i's episode (job: prompt
+    major, then sample); a prompt that continues an episode whose KV it keeps (its ids
+    start with the kept ones) is fed only the tokens after them.
     """
     if not prompt_ids:
         return []
@@ -410,15 +435,21 @@ def generate(
                 lengths, params.max_new_tokens, batch_size, max_batch_tokens
             ):
                 chunk = jobs[start:end]
+                contexts = [prompt_ids[p] for p, _ in chunk]
+                turn = None if turns is None else turns.batch(episodes[start:end], contexts)
                 ids, lps, reasons, pol = batch_fn(
                     model,
-                    [prompt_ids[p] for p, _ in chunk],
+                    contexts,
                     params,
                     pad_token_id,
                     eos_ids,
                     generator,
                     stop_hits,
+                    stats=stats,
+                    **({} if turn is None else {"turn": turn}),
                 )
+                if turn is not None:
+                    turn.done(ids)
                 pol = pol if pol is not None else [None] * len(chunk)
                 for (p, s), c, lp, r, q in zip(chunk, ids, lps, reasons, pol, strict=True):
                     samples.append(Sample(p, s, c, lp, r, policy_logprobs=q))

@@ -2,6 +2,9 @@
 
 It samples with the module it is given. Passed the trainer's own model (the warm policy),
 the weights are always current and :meth:`HFEngine.update_weights` has nothing to copy.
+With ``turn_cache`` (the default) the turn loop of a multi-turn episode keeps each
+episode's KV cache from one turn to the next (grpo_core/engines/turn_cache.py); ``fed``
+counts the tokens its prefill forwards were fed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import torch
 
 from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
 from grpo_core.engines.generation import Sample, SamplingParams, generate
+from grpo_core.engines.turn_cache import TurnCache
 
 
 class HFEngine:
@@ -26,6 +30,7 @@ class HFEngine:
         batch_size: int = 512,
         max_batch_tokens: int | None = DEFAULT_MAX_BATCH_TOKENS,
         decode: str = "auto",
+        turn_cache: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -33,6 +38,9 @@ class HFEngine:
         self.max_batch_tokens = max_batch_tokens
         self.decode = decode  # grpo_core.engines.generation.generate's decode loop
         self.last_decode: str | None = None  # the loop the last generate() ran
+        self.keeps_turns = turn_cache  # keep an episode's KV across its turns
+        # tokens fed to the prefill forwards since the engine started (padding: positions)
+        self.fed = {"prefill_tokens": 0, "prefill_positions": 0}
 
     @classmethod
     def create(
@@ -60,7 +68,11 @@ class HFEngine:
         *,
         desc: str = "generate",
         progress: bool = True,
+        turns: TurnCache | None = None,
+        episodes: list | None = None,
     ) -> list[Sample]:
+        """``turns``, ``episodes``: the turn loop's kept KV (:meth:`turn_cache`) and each
+        sample's episode (grpo_core.engines.generation.generate)."""
         tok = self.tokenizer
         stats: dict = {}
         samples = generate(
@@ -76,9 +88,18 @@ class HFEngine:
             progress=progress,
             decode=self.decode,
             stats=stats,
+            turns=turns,
+            episodes=episodes,
         )
         self.last_decode = stats.get("decode")
+        for k in self.fed:
+            self.fed[k] += stats.get(k, 0)
         return samples
+
+    def turn_cache(self) -> TurnCache | None:
+        """A turn loop's store of its episodes' KV (None: the option is off, each turn
+        feeds the whole context)."""
+        return TurnCache() if self.keeps_turns else None
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state_dict`` into the model, unless it is the model's own tensors."""

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 from transformers import StaticCache
 
+from grpo_core.engines.turn_cache import static_shape
+
 log = logging.getLogger(__name__)
 
 CHECK_EVERY = 16  # decode steps between host reads (all rows done? stop strings?)
@@ -137,14 +139,18 @@ def generate_batch_static(
     *,
     graphs: bool = False,
     stats: dict | None = None,
+    turn=None,
 ):
     """``grpo_core.engines.generation._generate_batch`` with fixed shapes (module docstring).
-    ``stats``: gets ``decode`` (the mode that ran) and ``steps``."""
+    ``stats``: gets ``decode`` (the mode that ran), ``steps`` and the prefill's tokens.
+    ``turn``: the episodes' KV kept from their earlier turns, and the pool of caches and
+    captured steps kept across turns (grpo_core/engines/turn_cache.py)."""
     from grpo_core.engines.generation import (
         _Completions,
         _left_pad,
         _next_tokens,
         _repetition_penalty,
+        count_prefill,
         policy_logprobs,
         processes_distribution,
     )
@@ -152,13 +158,31 @@ def generate_batch_static(
     device = model.device
     B, T = len(prompts), params.max_new_tokens
     ids, attn = _left_pad(prompts, pad_id, device)  # [B, L]
-    L = ids.shape[1]
-    K = L + T
-    keys = torch.zeros((B, K), dtype=torch.bool, device=device)  # positions a row attends to
-    keys[:, :L] = attn.bool()
-    cache = StaticCache(config=model.config, max_cache_len=K)
-    logits, pos, with_position = _prefill(model, ids, attn, keys, cache)
-    step = _Step(model, cache, keys, graphs, {"cache_position": with_position})
+    seen_ids, seen_attn = ids, attn  # the whole contexts (repetition penalty)
+    laid = None if turn is None else turn.layout(pad_id, device)
+    P = 0  # positions of kept KV before the fed tokens
+    if laid is not None:
+        kv, ids, attn, P = laid  # ids [B, N] new tokens, attn [B, P + N]
+    W = attn.shape[1]  # the positions before decoding
+    R, K = static_shape(None if turn is None else turn.owner, B, W + T)
+    if R > B:  # rows rounded up (a turn cache's pool): padding rows, finished from the start
+        ids = torch.cat([ids, ids.new_full((R - B, ids.shape[1]), pad_id)])
+        attn = torch.cat([attn, attn.new_zeros((R - B, W))])
+    with_position = _forward_takes(model, "cache_position")
+
+    def make():
+        keys = torch.zeros((R, K), dtype=torch.bool, device=device)  # positions a row sees
+        cache = StaticCache(config=model.config, max_cache_len=K)
+        return cache, keys, _Step(model, cache, keys, graphs, {"cache_position": with_position})
+
+    cache, keys, step = make() if turn is None else turn.owner.static_slots(R, K, make)
+    keys[:, :W] = attn.bool()
+    if laid is not None:  # the kept KV in the first P positions
+        for layer, (k, v) in enumerate(kv):
+            cache.update(torch.cat([k, k.new_zeros((R - B, *k.shape[1:]))]),
+                         torch.cat([v, v.new_zeros((R - B, *v.shape[1:]))]), layer)  # fmt: skip
+    logits, pos = _prefill(model, ids, attn, keys, cache, P, with_position)
+    count_prefill(stats, attn[:B, P:])
     processed = processes_distribution(params)
     out = _Completions(B, T, pad_id, device, policy=processed)
     eos = torch.tensor(sorted(eos_ids), device=device)
@@ -166,12 +190,13 @@ def generate_batch_static(
     seen = None
     if params.repetition_penalty != 1.0:
         counts = torch.zeros((B, logits.shape[-1]), dtype=torch.long, device=device)
-        seen = counts.scatter_add_(1, ids, attn) > 0  # [B, V] prompt tokens, no padding
+        seen = counts.scatter_add_(1, seen_ids, seen_attn) > 0  # [B, V] prompt, no padding
     host = _StopStrings(stop_hits, B) if stop_hits is not None else None
+    padding = ids.new_full((R - B,), pad_id)  # the padding rows' tokens (rows rounded up)
     last = pos[:, -1:]  # [B, 1]
     steps = 0
     for t in range(T):
-        logits = raw = logits.float()
+        logits = raw = logits[:B].float()  # padding rows are never sampled
         if seen is not None:
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         logprobs, tok = _next_tokens(logits, params, generator)  # [B, V], [B]
@@ -193,30 +218,39 @@ def generate_batch_static(
             host.check(out, done, steps)
         if last_step or (steps % CHECK_EVERY == 0 and bool(done.all())):
             break
-        keys[:, L + t] = True
+        keys[:, W + t] = True
         last = last + 1
-        logits = step(tok, last, L + t)
+        logits = step(torch.cat([tok, padding]) if R > B else tok, last, W + t)
     if stats is not None:
         stats["decode"] = step.mode
         stats["steps"] = steps
+    if turn is not None:
+        turn.keep_static(cache, attn, out.lengths.tolist(), out.stopped.tolist(), B)
     return out.lists()
 
 
-def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, keys: torch.Tensor, cache):
-    """The prompts' forward into ``cache``: causal over each prompt's real tokens (a padding
-    query sees itself, so no row is empty). Returns the last position's logits [B, V], the
-    positions [B, L], and whether the model takes ``cache_position``."""
-    from grpo_core.engines.generation import _forward_takes, _keeps_last_logits
+def _forward_takes(model, name: str) -> bool:
+    from grpo_core.engines.generation import _forward_takes as takes
+
+    return takes(model, name)
+
+
+def _prefill(model, ids, attn, keys, cache, offset: int = 0, with_position: bool = False):
+    """The prompts' forward into ``cache`` after ``offset`` positions already there (a turn's
+    kept KV): causal over each row's real tokens (a padding query sees itself, so no row is
+    empty). ``attn`` [B, offset + L]: the positions each row attends to. Returns the last
+    position's logits [B, V] and the fed tokens' positions [B, L]."""
+    from grpo_core.engines.generation import _keeps_last_logits
 
     device, L, K = ids.device, ids.shape[1], keys.shape[1]
-    causal = torch.ones((L, K), dtype=torch.bool, device=device).tril()  # [L, K]
-    eye = torch.eye(L, K, dtype=torch.bool, device=device)  # [L, K]
+    causal = torch.ones((L, K), dtype=torch.bool, device=device).tril(offset)  # [L, K]
+    eye = torch.eye(L, K - offset, dtype=torch.bool, device=device)  # [L, K - offset]
+    eye = torch.cat([eye.new_zeros((L, offset)), eye], dim=1)  # [L, K]: each query itself
     allowed = (causal[None] & keys[:, None, :]) | eye[None]  # [B, L, K]
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, offset:]  # [B, L]
     extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    with_position = _forward_takes(model, "cache_position")
     if with_position:
-        extra["cache_position"] = torch.arange(L, device=device)
+        extra["cache_position"] = torch.arange(offset, offset + L, device=device)
     impl, dtype = model.config._attn_implementation, next(model.parameters()).dtype
     logits = model(
         input_ids=ids,
@@ -226,7 +260,7 @@ def _prefill(model, ids: torch.Tensor, attn: torch.Tensor, keys: torch.Tensor, c
         use_cache=True,
         **extra,
     ).logits[:, -1, :]
-    return logits, pos, with_position
+    return logits, pos
 
 
 class _StopStrings:

@@ -23,7 +23,10 @@ Without an environment an episode is one model turn: the engine's samples as the
 3. the next turn continues from the exact ids so far (prompt + every turn), never from a
    re-rendered conversation, until a turn ends without a call, ``rollout.max_turns`` model
    turns are done, or ``max_completion_length`` (the whole trajectory's budget) runs out
-   (``finish_reason`` ``length``, as for a single turn).
+   (``finish_reason`` ``length``, as for a single turn). An engine with a ``turn_cache()``
+   (the hf engine) keeps each episode's KV cache from one turn to the next, so a turn feeds
+   only the tokens after it (grpo_core/engines/turn_cache.py); an episode's goes when it
+   ends, all of it when the loop returns.
 
 The tool calls of one turn run at once, on ``rollout.tool_workers`` threads. Nothing here
 imports prefect, mlflow or ray.
@@ -134,6 +137,7 @@ class _Episode:
     finish: str = "stop"
     opened: Any = None  # the prompt as the environment's reset() extended it (None: as given)
     policy: list[float] | None = None  # the policy's own log-probs (Sample.policy_logprobs)
+    key: int = 0  # its index among the call's episodes (the engine's kept KV)
 
     def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
             policy=None) -> None:  # fmt: skip
@@ -166,6 +170,7 @@ class _Episodes:
     params: SamplingParams
     desc: str
     progress: bool
+    kept: Any = None  # the engine's TurnCache for this call's episodes, if it keeps one
 
     def run(self, prompt_ids: list[list[int]], rows) -> list[Sample]:
         env = environment(self.spec)
@@ -175,40 +180,63 @@ class _Episodes:
         params = dataclasses.replace(self.params, stop=(*self.params.stop, *extra))
         n = params.n
         opens = open_episodes(env, prompt_ids, rows, n, self.engine.tokenizer)
+        # the engine's store of each episode's KV cache across its turns (the hf engine's
+        # turn_cache: grpo_core/engines/turn_cache.py), keyed by the episode's index
+        self.kept = getattr(self.engine, "turn_cache", lambda: None)()
+        try:
+            return self._turns(prompt_ids, opens, params)
+        finally:
+            if self.kept is not None:
+                self.kept.close()
+
+    def _turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
+        n = params.n
         samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
             _Episode(o.ids, s.prompt_index, s.sample_index, o.episode, params.max_new_tokens,
-                     opened=o.prompt)
-            for s in samples
+                     opened=o.prompt, key=i)
+            for i, s in enumerate(samples)
             for o in [opens[s.prompt_index * n + s.sample_index]]
         ]  # fmt: skip
         active, turn = list(zip(episodes, samples, strict=True)), 0
         while active:
             calls = [(ep, text) for ep, s in active if (text := self._model_turn(ep, s, turn))]
             going = self._observe(calls)
+            if self.kept is not None:  # the episodes that ended: their KV is not needed
+                for ep in {ep.key for ep, _ in active} - {ep.key for ep in going}:
+                    self.kept.drop(ep)
             if not going:
                 break
             turn += 1
             seed = None if params.seed is None else params.seed + 1_000_003 * turn
             nxt = dataclasses.replace(params, n=1, seed=seed,
                                       max_new_tokens=max(ep.left for ep in going))  # fmt: skip
-            outs = self.engine.generate([ep.prompt + ep.ids for ep in going], nxt,
-                                        desc=f"{self.desc} turn {turn + 1}",
-                                        progress=self.progress)  # fmt: skip
+            outs = self._generate(
+                [ep.prompt + ep.ids for ep in going],
+                nxt,
+                [ep.key for ep in going],
+                f"{self.desc} turn {turn + 1}",
+            )
             active = list(zip(going, outs, strict=True))
         return [ep.sample() for ep in episodes]
+
+    def _generate(self, contexts, params: SamplingParams, keys: list[int], desc: str):
+        """The engine's samples of ``contexts`` (each ``params.n`` times), the samples'
+        episodes ``keys`` when the engine keeps their KV."""
+        kw = {} if self.kept is None else {"turns": self.kept, "episodes": keys}
+        return self.engine.generate(contexts, params, desc=desc, progress=self.progress, **kw)
 
     def _first_turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
         """Every episode's first turn: ``n`` samples of each prompt, or, where a ``reset``
         added to some prompts (grpo_core/engines/openings.py), one sample of each
         episode's own prompt (the same seeds: vLLM's child ``i`` of a prompt is seeded
         ``base + i``, the hf engine draws in the same order)."""
+        keys = list(range(len(opens)))  # episode i: prompt i // n, sample i % n
         if all(o.prompt is None for o in opens):
-            return self.engine.generate(prompt_ids, params, desc=self.desc, progress=self.progress)
+            return self._generate(prompt_ids, params, keys, self.desc)
         n = params.n
         one = dataclasses.replace(params, n=1)
-        outs = self.engine.generate([o.ids for o in opens], one, desc=self.desc,
-                                    progress=self.progress)  # fmt: skip
+        outs = self._generate([o.ids for o in opens], one, keys, self.desc)
         return [
             dataclasses.replace(s, prompt_index=i // n, sample_index=i % n)
             for i, s in enumerate(outs)
