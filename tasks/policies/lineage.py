@@ -156,16 +156,16 @@ def _learner(path: Path, base: Path | None):
         learner = policies.learner
         if learner is not None and learner.policy_id == pid:
             policies.stats["hits"] += 1
-        elif (
-            policies.loaded.get("policy") is not None and policies.loaded["policy"].policy_id == pid
-        ):
-            learner = policies.loaded.pop("policy")  # sampled read-only so far: trained now
-            policies.stats["hits"] += 1
         else:
             if learner is not None:  # its kept checkpoints written before it goes
                 learner.drain()
             policies.learner = None  # a failed load leaves no learner of other weights
-            learner = _load(path, pid, "policy", policies, lora_base=base)
+            loaded = policies.loaded.get("policy")
+            if loaded is not None and loaded.policy_id == pid:
+                learner = policies.loaded.pop("policy")  # sampled read-only so far: trained now
+                policies.stats["hits"] += 1
+            else:
+                learner = _load(path, pid, "policy", policies, lora_base=base)
         if base is not None:
             learner = _adapted(learner, path, base)
         learner.checkpoint = path
