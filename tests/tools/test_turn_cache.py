@@ -134,8 +134,8 @@ def test_sampled_logprobs_are_the_trainers_recomputation(clocked, top_k):
         )
 
 
-def test_the_static_loop_builds_its_step_once_not_per_turn(clocked, monkeypatch):
-    model, tok = clocked
+def _count_steps(monkeypatch) -> list:
+    """A list that gains an item each time the static loop builds its decode step."""
     made = []
 
     class Counted(static_decode._Step):
@@ -144,6 +144,12 @@ def test_the_static_loop_builds_its_step_once_not_per_turn(clocked, monkeypatch)
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(static_decode, "_Step", Counted)
+    return made
+
+
+def test_the_static_loop_builds_its_step_once_not_per_turn(clocked, monkeypatch):
+    model, tok = clocked
+    made = _count_steps(monkeypatch)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=_budget(), seed=0)
     _run(model, tok, kept=False, params=params, decode="static")
     per_turn = len(made)
@@ -203,14 +209,7 @@ def test_the_same_inputs_give_the_same_episodes_bit_for_bit(clocked):
 def test_cuda_graphs_replay_across_turns_and_equal_the_full_recompute(monkeypatch):
     model, tok = BENCH.clock_model(hidden_size=32, layers=2)
     model = model.to("cuda")
-    made = []
-
-    class Counted(static_decode._Step):
-        def __init__(self, *a, **kw):
-            made.append(1)
-            super().__init__(*a, **kw)
-
-    monkeypatch.setattr(static_decode, "_Step", Counted)
+    made = _count_steps(monkeypatch)
     params = SamplingParams(n=2, temperature=0, max_new_tokens=_budget())
     _, a = _run(model, tok, kept=False, params=params, decode="dynamic")
     engine, b = _run(model, tok, kept=True, params=params, decode="cuda_graphs")
