@@ -19,7 +19,9 @@ Each step is a plain call on objects in memory, so an iteration runs in a notebo
 
 The pipeline's stage tasks (tasks/rollout.py, tasks/score.py, tasks/update.py) wrap the
 same calls with the stage cache, the Parquet files and the executor (where the engine, the
-reward functions and the update run); they hold no algorithm of their own. The pieces:
+reward functions and the update run); they hold no algorithm of their own. The held-out
+evaluation (grpo_core/algorithm/evaluation.py) samples through step 1 too
+(:func:`sample_episodes`, the samples before they are a table). The pieces:
 the turn loop (grpo_core/engines/turns.py), the reward functions (grpo_core/rewards/), the advantage
 estimators (grpo_core/algorithm/advantages.py), the old log-probs' source (grpo_core/logprobs/old.py),
 the objective (grpo_core/algorithm/losses.py) and the optimizer steps (grpo_core/algorithm/update.py).
