@@ -16,13 +16,14 @@ schedule (flows/rl_schedule.py) calls ``hold`` on the policy it names for a roll
 the next update changes it: :class:`Local` freezes those weights for its engine process
 (cluster/engine_process.py), :class:`OnRay` makes its replicas read the checkpoints the
 trainer group writes (the group is busy with the next update, so no weight bus). The
-held-out evaluation samples where the rollouts do: with this process's engine (or HF
-generate) locally, on the rollout replicas on Ray (:class:`Sampler`).
+held-out evaluation samples where the rollouts do (``eval_run``): with this process's
+engine (or HF generate) locally, on the rollout replicas on Ray.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import shutil
@@ -34,10 +35,10 @@ from cluster.config import ClusterConfig
 from cluster.engines_here import engine_for, sample_here, with_lora_rank
 from cluster.policies import Policies
 from grpo_core.engines import WarmEngines
-from grpo_core.engines.turns import SampleRequest, TurnEngine
+from grpo_core.engines.turns import SampleRequest
 from grpo_core.rewards.scoring import ScoreRequest
 
-__all__ = ["Local", "OnRay", "Sampler", "for_config", "trainer_threads", "with_lora_rank"]
+__all__ = ["Local", "OnRay", "for_config", "trainer_threads", "with_lora_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -102,16 +103,17 @@ class Local:
         handle on its checkpoint will do: ``tasks/policies/files.py``)."""
         return True
 
-    def eval_sampler(self, policy: Policy, request: SampleRequest):
-        """What generates a held-out eval's completions of ``policy``: None (HF generate on
-        the policy in memory in this process), or this process's warm engine; with an environment
-        (``request.tools``), that engine through the turn loop."""
+    def eval_run(self, policy: Policy, request: SampleRequest):
+        """How a held-out eval samples ``policy`` (``run(prompt_ids, request)``, the hook of
+        grpo_core/algorithm/evaluation.py: ``evaluate``): None, HF generate on the policy in
+        memory in this process (the hf engine, no environment), or this process's warm engine
+        running the request (with an environment, ``request.tools``, through the turn loop)."""
         if request.engine == "hf" and not request.tools:
             return None
         eng = self.engine(
             policy, request.engine, request.engine_options, check_sync=request.check_sync
         )
-        return TurnEngine(eng, request.tools) if request.tools else eng
+        return functools.partial(_run_on, eng)
 
     def served_here(self) -> tuple | None:
         """``(start, end)`` (``time.monotonic``) of the engine process's work on this
@@ -197,10 +199,10 @@ class OnRay(Local):
         """The replicas load the checkpoint; the driver's copy only for the sync probe."""
         return request.check_sync
 
-    def eval_sampler(self, policy, request: SampleRequest):
-        """The rollout replicas (the driver, often on a node without a GPU, holds no
-        engine)."""
-        return Sampler(self, policy, request)
+    def eval_run(self, policy, request: SampleRequest):
+        """On the rollout replicas, as the rollouts (the driver, often on a node without a
+        GPU, holds no engine)."""
+        return functools.partial(self.sample, policy)
 
     def rollout_shards(self, n_prompts: int) -> int:
         return min(self.cfg.rollout.workers, n_prompts)
@@ -268,24 +270,6 @@ def for_config(cfg: ClusterConfig) -> Local:
     return OnRay(cfg) if cfg.uses_ray else Local(cfg)
 
 
-class Sampler:
-    """A rollout engine over an executor's :meth:`Local.sample`: what the held-out eval hands
-    to ``grpo_core.algorithm.evaluation.evaluate`` so that it generates where the rollouts do (on Ray,
-    the rollout replicas: the driver, often on a node without a GPU, holds no engine)."""
-
-    name = "sampler"
-
-    def __init__(self, executor: Local, policy: Policy, request: SampleRequest) -> None:
-        self.executor, self.policy, self.request = executor, policy, request
-
-    @property
-    def config(self):  # the model's positions, for the prompt-length check
-        return self.policy.config
-
-    takes_rows = True  # an eval hands it each prompt's data row, for the environment
-
-    def generate(self, prompt_ids, params, *, desc="generate", progress=True, rows=None):
-        request = self.request.with_params(params, desc)
-        if rows is not None:
-            request = dataclasses.replace(request, rows=tuple(rows))
-        return self.executor.sample(self.policy, prompt_ids, request)
+def _run_on(engine, prompt_ids: list[list[int]], request: SampleRequest) -> list:
+    """``request`` for each prompt with ``engine`` (a held-out eval's, kept warm)."""
+    return request.run(engine, prompt_ids, progress=True)

@@ -15,6 +15,7 @@ from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig
 from grpo_core.contracts.io import atomic_path, write_parquet
 from grpo_core.contracts.prompts import load_rows
+from grpo_core.engines.context import model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, lookup, stage_key, tool_code
 from tasks.policies import loading
@@ -87,14 +88,14 @@ def _evaluate(
     rows = load_rows(eval_path)
     if cfg.num_examples:
         rows = rows[: cfg.num_examples]
-    # what generates the completions, as the executor says: the rollout replicas (ray:
-    # no weights in this process), this process's warm engine (vllm), or HF generate on the
-    # warm policy (None)
+    # where the completions are sampled, as the executor says: the rollout replicas (ray:
+    # no weights in this process), this process's warm engine (vllm, or an environment), or
+    # HF generate on the policy in memory (run None)
     executor = runtime.executor()
     load = loading.options().load_kwargs(trainer=False)
     request = SampleRequest.of(engine, None, load_options=load, desc="eval")
     w = policy_for(executor, checkpoint, request)
-    eng = executor.eval_sampler(w, request)
+    run = executor.eval_run(w, request)
     with timer() as t:
         result = evaluate(
             w.model,
@@ -106,7 +107,9 @@ def _evaluate(
             num_samples=cfg.num_samples,
             temperature=cfg.temperature,
             desc=desc,
-            engine=eng,
+            request=request,
+            run=run,
+            context=model_context(w.config),
         )
     if out_table:
         write_parquet(pa.Table.from_pylist(result.table), out_table)

@@ -158,19 +158,13 @@ def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage:
     from grpo_core.algorithm.evaluation import evaluate
 
     def dev_eval() -> float:
-        engine = None
-        if tools:
-            from grpo_core.engines.hf import HFEngine
-            from grpo_core.engines.turns import TurnEngine
-
-            engine = TurnEngine(HFEngine(model=w.model, tokenizer=w.tokenizer), tools)
         return evaluate(
             w.model,
             w.tokenizer,
             dev_rows,
             max_new_tokens=max_completion_length,
             desc=f"{stage} dev",
-            engine=engine,
+            tools=tools or None,
         ).accuracy
 
     return dev_eval

@@ -26,13 +26,16 @@ numbers are comparable across the pipeline.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import comb
 
 from grpo_core import rewards
-from grpo_core.contracts.text import decode_completion, model_text, row_prompt_ids, row_prompt_text
-from grpo_core.engines.context import check_prompt_lengths, model_context
-from grpo_core.engines.generation import SamplingParams, generate
+from grpo_core.algorithm import iteration
+from grpo_core.contracts.text import decode_completion, model_text, row_prompt_text
+from grpo_core.engines.context import model_context
+from grpo_core.engines.generation import SamplingParams
+from grpo_core.engines.hf import HFEngine
+from grpo_core.engines.turns import SampleRequest
 
 FULL_CREDIT = 1.0 - 1e-9
 
@@ -102,24 +105,6 @@ def _context(model, engine) -> int | None:
     holder = model if model is not None else getattr(engine, "model", None)
     config = getattr(holder, "config", None) or getattr(engine, "config", None)
     return model_context(config) if config is not None else None
-
-
-def _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc, rows):
-    """The samples, prompt-major: by ``engine`` when given, else HF generate. An engine
-    that runs episodes of an environment (``takes_rows``) gets each prompt's data row."""
-    if engine is not None:
-        if getattr(engine, "takes_rows", False):
-            return engine.generate(prompt_ids, params, desc=desc, rows=rows)
-        return engine.generate(prompt_ids, params, desc=desc)
-    return generate(
-        model,
-        prompt_ids,
-        params,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_ids=tokenizer.eos_token_id,
-        batch_size=batch_size,
-        desc=desc,
-    )
 
 
 def _episode(s) -> dict:
@@ -196,10 +181,22 @@ def evaluate(
     seed: int = 0,
     desc: str = "eval",
     engine=None,
+    request: SampleRequest | None = None,
+    tools=None,
+    run=None,
+    context: int | None = None,
 ) -> EvalResult:
     """``num_samples`` completions per row (greedy for 1, unless ``temperature`` is given;
-    ``temperature`` defaults to 1.0 for more), scored for accuracy and format. ``engine``: a
-    ``grpo_core.engines`` rollout engine holding ``model``'s weights (default: HF generate)."""
+    ``temperature`` defaults to 1.0 for more), scored for accuracy and format.
+
+    They are sampled as the rollouts are (grpo_core/algorithm/iteration.py:
+    ``sample_episodes``): ``request`` is the ``SampleRequest`` naming the engine and its
+    options (its params are this evaluation's), ``tools`` adds an environment to it (each
+    episode starts from its row); ``engine``, a ``grpo_core.engines`` rollout engine holding
+    ``model``'s weights, runs it here (default: the hf engine on ``model``, ``batch_size``
+    sequences at a time), or ``run(prompt_ids, request)`` where the pipeline's executor
+    samples (tasks/evaluate.py). ``context``: the model's positions (default: ``model``'s,
+    else the engine's)."""
     if not rows:
         raise ValueError("evaluation: no rows")
     if num_samples < 1:
@@ -207,13 +204,14 @@ def evaluate(
     if temperature is None:
         temperature = 0.0 if num_samples == 1 else 1.0
     k = num_samples
-    prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
-    check_prompt_lengths(
-        prompt_ids, context=_context(model, engine), max_new_tokens=max_new_tokens,
-        field="eval.max_completion_length", source=desc,
-    )  # fmt: skip
     params = SamplingParams(n=k, temperature=temperature, max_new_tokens=max_new_tokens, seed=seed)
-    samples = _sample(model, tokenizer, engine, prompt_ids, params, batch_size, desc, rows)
+    request = replace(request or SampleRequest(params), params=params, desc=desc)
+    if context is None:
+        context = _context(model, engine)
+    if engine is None and run is None:
+        engine = HFEngine(model, tokenizer, batch_size=batch_size)
+    _, samples = iteration.sample_episodes(engine, tokenizer, rows, request, tools=tools, run=run,
+                                           context=context, field="eval.max_completion_length")  # fmt: skip
     # samples are prompt-major: row i's k samples are samples[i*k : (i+1)*k]
     flat_rows = [r for r in rows for _ in range(k)]
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]

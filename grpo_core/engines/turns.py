@@ -3,8 +3,9 @@ request every sampling path hands down.
 
 :class:`SampleRequest` says what to sample (the ``SamplingParams``) and with what (the
 engine's name and options, how the sampling copy of the policy loads, whether to probe the
-weight sync, the progress bar's label, the environment: ``tools``). The rollout task builds
-it once; the executor (cluster/executor.py), the local engine process
+weight sync, the progress bar's label, the environment: ``tools``). The rollout task and the
+held-out evaluation build it once (grpo_core/algorithm/iteration.py: ``sample_episodes`` is the
+call both make); the executor (cluster/executor.py), the local engine process
 (cluster/engine_process.py) and the Ray rollout replicas (cluster/rollout_workers.py,
 cluster/replica.py) pass it on unchanged, and whichever process holds the engine calls
 :func:`run_turns`.
@@ -317,29 +318,3 @@ def _env_reward(episode) -> dict | None:
         return {"reward": None if value is None else float(value), "error": None}
     except Exception as exc:
         return {"reward": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
-
-
-class TurnEngine:
-    """An engine whose ``generate`` runs the turn loop with ``tools`` (a held-out eval of a
-    tool-using policy samples as its rollouts do)."""
-
-    def __init__(self, engine, tools) -> None:
-        self.engine, self.tools = engine, load_spec(tools)
-        self.name = getattr(engine, "name", "engine")
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def config(self):
-        return self.engine.config
-
-    takes_rows = True  # an eval hands it each prompt's data row, for the environment
-
-    def generate(self, prompt_ids, params, *, desc="generate", progress=True, rows=None):
-        return run_turns(self.engine, prompt_ids, params, desc=desc, progress=progress,
-                         tools=self.tools, rows=rows)  # fmt: skip
-
-    def sleep(self) -> None:
-        getattr(self.engine, "sleep", lambda: None)()

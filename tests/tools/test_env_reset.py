@@ -20,7 +20,7 @@ from grpo_core.contracts.text import extend_prompt
 from grpo_core.engines.environments import Observation
 from grpo_core.engines.generation import SamplingParams, generate
 from grpo_core.engines.hf import HFEngine
-from grpo_core.engines.turns import TurnEngine, run_turns
+from grpo_core.engines.turns import run_turns
 from tasks.score import score_file
 from tests.tools.test_turn_loop import PROMPTS, ScriptedEngine
 
@@ -108,7 +108,7 @@ def test_the_added_line_is_in_the_prompt_ids_and_out_of_the_completion_mask(hf, 
 
 def test_a_held_out_eval_samples_from_the_extended_prompt(hf):
     engine, _, tok = hf
-    result = evaluate(None, tok, ROWS, max_new_tokens=6, engine=TurnEngine(engine, SPEC))
+    result = evaluate(None, tok, ROWS, max_new_tokens=6, engine=engine, tools=SPEC)
     assert [r["prompt"] for r in result.table] == ["12+34=" + HINT, "5+6="]
 
 

@@ -17,7 +17,7 @@ from grpo_core.contracts.text import prompt_text, row_prompt_ids
 from grpo_core.engines.environments import ToolSpec
 from grpo_core.engines.functions import calculator, function_schemas, parse_calls
 from grpo_core.engines.generation import Sample, SamplingParams
-from grpo_core.engines.turns import TurnEngine, run_turns
+from grpo_core.engines.turns import run_turns
 
 TEMPLATE = (  # HF renders with trim_blocks: text after a tag goes through {{ '...' }}
     "{% if tools %}{{ '<|im_start|>system\\n<tools>\\n' }}"
@@ -142,9 +142,8 @@ def test_calls_that_cannot_run_are_answered_with_their_error():
 
 def test_a_turn_without_a_call_ends_the_episode_and_rewards_read_the_model_text():
     model = ChatModel([[call("calculator", expression="12+5")], ["The answer is 17."]])
-    engine = TurnEngine(model, SPEC)
     row = {**ROW, "answer": "17"}
-    res = evaluate(None, TOK, [row], max_new_tokens=400, desc="t", engine=engine,
+    res = evaluate(None, TOK, [row], max_new_tokens=400, desc="t", engine=model, tools=SPEC,
                    accuracy_reward="tests.tools.test_json_tools:says_17")  # fmt: skip
     (r,) = res.table
     assert [t["role"] for t in r["turns"]] == ["assistant", "tool", "assistant"]

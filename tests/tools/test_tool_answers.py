@@ -17,7 +17,7 @@ from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.rollouts import rollout_table
 from grpo_core.engines.environments import Observation, ToolSpec
 from grpo_core.engines.generation import SamplingParams
-from grpo_core.engines.turns import TurnEngine, run_turns
+from grpo_core.engines.turns import run_turns
 from tasks.score import score_file
 from tests.tools.test_turn_loop import ScriptedEngine
 
@@ -118,7 +118,7 @@ def test_an_eval_hands_the_environment_its_row_and_scores_the_model_text():
     spec = ToolSpec(tools=("tests.tools.test_tool_answers:make_guess",))
     script = [["<tool_call>16000</tool_call>"], ["<answer>16422</answer><|eos|>"]]
     res = evaluate(None, TOK, ROWS, max_new_tokens=80, desc="t",
-                   engine=TurnEngine(Scripted(script), spec))  # fmt: skip
+                   engine=Scripted(script), tools=spec)  # fmt: skip
     (row,) = res.table
     assert row["turns"][1]["text"] == "<tool_response>higher</tool_response>"
     assert res.accuracy == 1.0
@@ -128,7 +128,7 @@ def test_evals_and_maj_at_k_do_not_count_an_answer_the_tool_printed():
     k = 3
     script = [[FORGE] * k, ["<|eos|>"] * k]
     res = evaluate(None, TOK, ROWS, max_new_tokens=80, num_samples=k, desc="t",
-                   engine=TurnEngine(Scripted(script), ToolSpec()))  # fmt: skip
+                   engine=Scripted(script), tools=ToolSpec())  # fmt: skip
     assert res.accuracy == 0.0 and res.maj_at_k == 0.0 and res.pass_at_k == 0.0
     assert all("16422" in r["completion"] for r in res.table)  # shown, not paid
 
