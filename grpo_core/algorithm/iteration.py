@@ -83,7 +83,9 @@ def sample(
     request)`` samples where the pipeline's executor does (its engine process or the Ray
     replicas: tasks/rollout.py); by default ``engine`` runs it here. ``context``: the
     model's positions (prompts that cannot fit ``max_new_tokens`` more are refused, by
-    row); ``metadata``: the rollout file's. The samples themselves: :func:`sample_episodes`."""
+    row; an episode whose environment's reset() extends its prompt past them is an error on
+    that episode: grpo_core/engines/openings.py); ``metadata``: the rollout file's. The
+    samples themselves: :func:`sample_episodes`."""
     from grpo_core.contracts.rollouts import rollout_table
 
     prompt_ids, samples = sample_episodes(engine, tokenizer, rows, request, desc=desc,
@@ -119,7 +121,7 @@ def sample_episodes(
     if tools is not None:
         request = dataclasses.replace(request, tools=tools)
     if request.tools is not None:  # the environment starts each episode from its data row
-        request = dataclasses.replace(request, rows=tuple(rows))
+        request = dataclasses.replace(request, rows=tuple(rows), context=context)
     prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
     check_prompt_lengths(prompt_ids, context=context, max_new_tokens=request.params.max_new_tokens,
                          field=field, source=request.desc)  # fmt: skip

@@ -4,12 +4,9 @@ All prompts x ``n`` samples go through the model in micro-batches of at most ``b
 sequences (and, when ``max_batch_tokens`` is set, at most that many prompt + completion
 tokens). Each step feeds only the newest token (the KV cache holds the rest), samples from
 the adjusted distribution, and records the log-probability of the sampled token under that
-same distribution (the sampling policy's logprob, vLLM's ``processed_logprobs``). When the
-distribution was processed (:func:`processes_distribution`: top-p, top-k, min-p, a
-repetition penalty), it also records the token's log-probability under the policy's own
-temperature-scaled softmax, before any of that (``Sample.policy_logprobs``): the quantity
-the trainer recomputes, which a behaviour weight must divide by to compare like with like
-(grpo_core/algorithm/importance.py). Only a [batch, vocab] slice of logits exists at a time.
+same distribution, and under the policy's own temperature-scaled softmax when the
+distribution was processed (grpo_core/engines/token_logprobs.py). Only a [batch, vocab]
+slice of logits exists at a time.
 
 Logits are adjusted in vLLM's order: repetition penalty (on prompt and completion tokens)
 -> temperature -> min-p -> top-k -> top-p. A sequence stops on an EOS token or when its
@@ -31,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grpo_core.config.settings import SamplingParams  # noqa: F401  (imported from here too)
 from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
+from grpo_core.engines.token_logprobs import Completions, processes_distribution
 
 
 @dataclass
@@ -113,24 +111,6 @@ def _left_pad(
     )
 
 
-def processes_distribution(params: SamplingParams) -> bool:
-    """Whether sampling with ``params`` draws from another distribution than the policy's
-    temperature-scaled softmax (greedy decoding samples nothing)."""
-    return params.temperature > 0 and (
-        params.top_p < 1.0
-        or params.top_k > 0
-        or params.min_p > 0.0
-        or params.repetition_penalty != 1.0
-    )
-
-
-def policy_logprobs(logits: torch.Tensor, tok: torch.Tensor, temperature: float) -> torch.Tensor:
-    """The sampled tokens' log-probs under ``log_softmax(logits / temperature)``, the
-    model's logits before any processing (the trainer's recompute).  logits: [b, V], tok:
-    [b]; returns [b]"""
-    return (logits / temperature).log_softmax(-1).gather(-1, tok[:, None]).squeeze(-1)
-
-
 def _next_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,48 +121,6 @@ def _next_tokens(
     scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
     logprobs = scaled.log_softmax(-1)  # [b, V]
     return logprobs, torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-
-
-class _Completions:
-    """A micro-batch's completions as they are sampled, on the device: tokens and logprobs
-    [B, max_new_tokens] (and the policy's own logprobs, ``policy``, when the sampling
-    distribution is processed), and each sequence's length and whether it stopped (else:
-    length)."""
-
-    def __init__(
-        self, B: int, max_new_tokens: int, pad_id: int, device: torch.device, policy: bool = False
-    ):
-        self.tokens = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        self.logp = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
-        self.policy = torch.zeros_like(self.logp) if policy else None
-        self.lengths = torch.full((B,), max_new_tokens, dtype=torch.long, device=device)
-        self.stopped = torch.zeros(B, dtype=torch.bool, device=device)
-
-    def record(self, t: int, rows, done, tok, logprobs, policy=None) -> None:
-        """Step ``t``'s token and its logprob (and its policy logprob, ``[b]``) for the rows
-        not done yet."""
-        live = rows[~done]
-        self.tokens[live, t] = tok[~done]
-        self.logp[live, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1)[~done]
-        if self.policy is not None:
-            self.policy[live, t] = policy[~done]
-
-    def stop(self, t: int, rows) -> None:
-        """These rows stopped at step ``t`` (their token of that step is kept)."""
-        self.lengths[rows] = t + 1
-        self.stopped[rows] = True
-
-    def lists(self) -> tuple[list[list[int]], list[list[float]], list[str], list | None]:
-        """Per row: tokens, logprobs, finish reason; and the policy logprobs (or None)."""
-        completions, logps, reasons, policy = [], [], [], []
-        for i in range(len(self.lengths)):
-            n = int(self.lengths[i])
-            completions.append(self.tokens[i, :n].tolist())
-            logps.append(self.logp[i, :n].tolist())
-            reasons.append("stop" if bool(self.stopped[i]) else "length")
-            if self.policy is not None:
-                policy.append(self.policy[i, :n].tolist())
-        return completions, logps, reasons, policy if self.policy is not None else None
 
 
 def _stop_string_hits(stop_hits, gen: list[list[int]], rows, active, tok, device) -> torch.Tensor:
@@ -223,7 +161,7 @@ def _generate_batch(
     count_prefill(stats, attn[:, -step_ids.shape[1] :])
     eos = torch.tensor(sorted(eos_ids), device=device)
     processed = processes_distribution(params)
-    out = _Completions(B, params.max_new_tokens, pad_id, device, policy=processed)
+    out = Completions(B, params.max_new_tokens, pad_id, device, policy=processed)
     gen: list[list[int]] = [[] for _ in range(B)]  # completions so far (stop strings)
     # the rows still in the batch (finished ones are dropped, KV cache included): their
     # index in the micro-batch, whether each has finished, and the tokens each has seen
@@ -253,8 +191,7 @@ def _generate_batch(
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         logprobs, tok = _next_tokens(logits, params, generator)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        policy = policy_logprobs(raw, tok, params.temperature) if processed else None
-        out.record(t, rows, done, tok, logprobs, policy)
+        out.record(t, rows, done, tok, logprobs, raw, params.temperature)
         hit_eos = torch.isin(tok, eos) & ~done
         if seen is not None:
             seen.scatter_(1, tok[:, None], (~done)[:, None])

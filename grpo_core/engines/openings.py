@@ -9,7 +9,12 @@ chat prompt's last user message, messages after a chat prompt's), rendered and t
 any prompt is (``row_prompt_ids``: chat template, the row's ``tools``). Those tokens are the
 prompt's, never the completion's: no loss, no log-probs. An environment whose ``start`` or
 ``reset`` raises opens an episode that answers each call with that error (recorded in its
-``turns``), the prompt unchanged: an error on the episode, not a crash of the batch.
+``turns``), the prompt unchanged: an error on the episode, not a crash of the batch. So
+does one whose ``reset`` makes the prompt too long for the model (``context``: its
+positions): the prompt it extended must leave room for at least one completion token, and
+is never cut to fit; the episode samples from the prompt as given (which the caller checked:
+grpo_core/engines/context.py). One that fits has what is left of the context as its
+completion budget, at most ``max_completion_length`` (:func:`completion_budget`).
 
 Nothing here imports prefect, mlflow or ray.
 """
@@ -43,18 +48,23 @@ class Unstarted:
         raise RuntimeError(self.error)
 
 
-def open_episodes(env, prompt_ids: list[list[int]], rows, n: int, tokenizer) -> list[Opening]:
+def open_episodes(
+    env, prompt_ids: list[list[int]], rows, n: int, tokenizer, context: int | None = None
+) -> list[Opening]:
     """``n`` openings per prompt, prompt-major (``rows[i]``: prompt i's data row, or None)."""
     return [
-        open_episode(env, ids, rows[p] if rows else None, tokenizer)
+        open_episode(env, ids, rows[p] if rows else None, tokenizer, context)
         for p, ids in enumerate(prompt_ids)
         for _ in range(n)
     ]
 
 
-def open_episode(env, ids: list[int], row: dict | None, tokenizer) -> Opening:
+def open_episode(
+    env, ids: list[int], row: dict | None, tokenizer, context: int | None = None
+) -> Opening:
     """``env``'s episode for ``row`` and its prompt (``ids``, the row's as the caller
-    tokenised it, unless ``reset`` adds to it)."""
+    tokenised it, unless ``reset`` adds to it; ``context``: the model's positions, which
+    the prompt ``reset`` extended must leave a completion token of, None: unknown)."""
     try:
         episode = env.start(row)
     except Exception as exc:
@@ -69,9 +79,26 @@ def open_episode(env, ids: list[int], row: dict | None, tokenizer) -> Opening:
         if row is None:
             raise ValueError("it added to the prompt, but the caller gave no data row")
         prompt = extend_prompt(row["prompt"], addition)
-        return Opening(episode, row_prompt_ids(tokenizer, {**row, "prompt": prompt}), prompt)
+        extended = row_prompt_ids(tokenizer, {**row, "prompt": prompt})
     except Exception as exc:
         return Opening(Unstarted(_error("the environment's reset() failed", exc)), ids)
+    if context is not None and len(extended) >= context:
+        error = (
+            f"the environment's reset() made the prompt too long: {len(extended):,} tokens "
+            f"with what it added ({len(ids):,} without), and the model has {context:,} "
+            f"positions, none left for the completion"
+        )
+        return Opening(Unstarted(error), ids)
+    return Opening(episode, extended, prompt)
+
+
+def completion_budget(opening: Opening, max_new_tokens: int, context: int | None) -> int:
+    """The tokens ``opening``'s episode may sample in all its turns: ``max_new_tokens``, or
+    fewer where its prompt leaves less of the model's ``context`` (a prompt ``reset``
+    extended; a prompt as given was checked to leave ``max_new_tokens``)."""
+    if context is None:
+        return max_new_tokens
+    return max(0, min(max_new_tokens, context - len(opening.ids)))
 
 
 def _error(what: str, exc: Exception) -> str:

@@ -18,8 +18,9 @@ is the reference):
   capture fails the loop goes on without the graph and says so once.
 
 Sampling is the same as the dynamic loop's (:func:`grpo_core.engines.generation._next_tokens`: same
-logit adjustments, logprob of the sampled token under the adjusted distribution, and under
-the policy's own softmax when that was processed).
+logit adjustments), and so is what is recorded (grpo_core/engines/token_logprobs.py: logprob
+of the sampled token under the adjusted distribution, and under the policy's own softmax
+when that was processed).
 """
 
 from __future__ import annotations
@@ -146,14 +147,12 @@ def generate_batch_static(
     ``turn``: the episodes' KV kept from their earlier turns, and the pool of caches and
     captured steps kept across turns (grpo_core/engines/turn_cache.py)."""
     from grpo_core.engines.generation import (
-        _Completions,
         _left_pad,
         _next_tokens,
         _repetition_penalty,
         count_prefill,
-        policy_logprobs,
-        processes_distribution,
     )
+    from grpo_core.engines.token_logprobs import Completions, processes_distribution
 
     device = model.device
     B, T = len(prompts), params.max_new_tokens
@@ -184,7 +183,7 @@ def generate_batch_static(
     logits, pos = _prefill(model, ids, attn, keys, cache, P, with_position)
     count_prefill(stats, attn[:B, P:])
     processed = processes_distribution(params)
-    out = _Completions(B, T, pad_id, device, policy=processed)
+    out = Completions(B, T, pad_id, device, policy=processed)
     eos = torch.tensor(sorted(eos_ids), device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None
@@ -201,11 +200,7 @@ def generate_batch_static(
             logits = _repetition_penalty(logits, seen, params.repetition_penalty)
         logprobs, tok = _next_tokens(logits, params, generator)  # [B, V], [B]
         tok = torch.where(done, pad_id, tok)
-        out.tokens[:, t] = tok
-        out.logp[:, t] = logprobs.gather(-1, tok[:, None]).squeeze(-1).masked_fill(done, 0.0)
-        if processed:  # the policy's own logprob (generation.py's module docstring)
-            pol = policy_logprobs(raw, tok, params.temperature)  # [B]
-            out.policy[:, t] = pol.masked_fill(done, 0.0)
+        out.record_all(t, done, tok, logprobs, raw, params.temperature)
         hit = torch.isin(tok, eos) & ~done
         out.lengths = torch.where(hit, t + 1, out.lengths)
         out.stopped |= hit

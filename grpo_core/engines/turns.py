@@ -51,7 +51,7 @@ from grpo_core.contracts.observations import (
     encode_tool_messages,
 )
 from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
-from grpo_core.engines.openings import open_episodes
+from grpo_core.engines.openings import completion_budget, open_episodes
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample, SamplingParams
@@ -71,6 +71,9 @@ class SampleRequest:
     desc: str = "rollout"
     tools: ToolSpec | None = None  # the environment; None: single-turn completions
     rows: tuple | None = None  # the prompts' data rows, for environments that read them
+    # the model's positions (grpo_core/engines/context.py), which a prompt an environment's
+    # reset() extended must fit (grpo_core/engines/openings.py); None: unknown
+    context: int | None = None
 
     @classmethod
     def of(cls, spec, params: SamplingParams, *, load_options=None, desc: str):
@@ -100,7 +103,7 @@ class SampleRequest:
     def run(self, engine, prompt_ids: list[list[int]], *, progress: bool) -> list[Sample]:
         """:func:`run_turns` of this request with ``engine``."""
         return run_turns(engine, prompt_ids, self.params, desc=self.desc, progress=progress,
-                         tools=self.tools, rows=self.rows)  # fmt: skip
+                         tools=self.tools, rows=self.rows, context=self.context)  # fmt: skip
 
 
 def run_turns(
@@ -112,16 +115,18 @@ def run_turns(
     progress: bool,
     tools: ToolSpec | Mapping | None = None,
     rows=None,
+    context: int | None = None,
 ) -> list[Sample]:
     """``params.n`` episodes per prompt with ``engine`` (anything with the rollout engines'
     ``generate`` and a ``tokenizer``), ordered by prompt then sample index. Without
     ``tools``, one model turn each: the engine's samples. With ``tools`` (a ``ToolSpec`` or
     its fields), the turn loop of this module's docstring; ``rows[i]`` is prompt i's data
-    row, for the environment's episodes."""
+    row, for the environment's episodes; ``context``: the model's positions, which an
+    episode's prompt as its ``reset()`` extended it must fit (grpo_core/engines/openings.py)."""
     spec = load_spec(tools)
     if spec is None:
         return engine.generate(prompt_ids, params, desc=desc, progress=progress)
-    return _Episodes(engine, spec, params, desc, progress).run(prompt_ids, rows)
+    return _Episodes(engine, spec, params, desc, progress, context=context).run(prompt_ids, rows)
 
 
 @dataclass
@@ -172,6 +177,7 @@ class _Episodes:
     desc: str
     progress: bool
     kept: Any = None  # the engine's TurnCache for this call's episodes, if it keeps one
+    context: int | None = None  # the model's positions (None: unknown)
 
     def run(self, prompt_ids: list[list[int]], rows) -> list[Sample]:
         env = environment(self.spec)
@@ -180,7 +186,7 @@ class _Episodes:
         extra = () if self.spec.json_calls else (self.spec.call_end,)
         params = dataclasses.replace(self.params, stop=(*self.params.stop, *extra))
         n = params.n
-        opens = open_episodes(env, prompt_ids, rows, n, self.engine.tokenizer)
+        opens = open_episodes(env, prompt_ids, rows, n, self.engine.tokenizer, self.context)
         # the engine's store of each episode's KV cache across its turns (the hf engine's
         # turn_cache: grpo_core/engines/turn_cache.py), keyed by the episode's index
         self.kept = getattr(self.engine, "turn_cache", lambda: None)()
@@ -194,7 +200,8 @@ class _Episodes:
         n = params.n
         samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
-            _Episode(o.ids, s.prompt_index, s.sample_index, o.episode, params.max_new_tokens,
+            _Episode(o.ids, s.prompt_index, s.sample_index, o.episode,
+                     completion_budget(o, params.max_new_tokens, self.context),
                      opened=o.prompt, key=i)
             for i, s in enumerate(samples)
             for o in [opens[s.prompt_index * n + s.sample_index]]

@@ -1,11 +1,13 @@
 """The hostile and harmless programs of tests/rewards/test_sandbox.py and the helpers that
 run them under each isolation mode this machine has (bwrap, namespaces, auto with bwrap
-hidden from PATH) and find sandbox processes left behind."""
+hidden from PATH) and find sandbox processes left behind; the sandbox tests' skips (an
+isolation this machine lacks, no pid namespace for a PID 1 that does not reap)."""
 
 import contextlib
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -338,12 +340,35 @@ def bwrap_hidden():
             os.environ["PATH"] = old
 
 
-def available(mode: str) -> bool:
+def available(mode: str | None = None) -> bool:
+    """Whether isolation ``mode`` runs here (``None``: the one this machine is set to use)."""
     try:
         detect_isolation(mode)
     except SandboxUnavailable:
         return False
     return True
+
+
+def isolation_or_skip(mode: str | None = None):
+    """The isolation ``mode`` gives on this machine (``None``: the strongest that works);
+    skips the calling test, saying why, where it cannot run."""
+    try:
+        return detect_isolation(mode)
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def run_as_pid_1(argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """``argv`` run as PID 1 of a new pid namespace (``unshare --pid --fork --mount-proc``:
+    a container's entry point, which reaps no orphan); skips the calling test where there is
+    no ``unshare`` or the namespace cannot be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here (util-linux)")
+    cmd = ["unshare", "--pid", "--fork", "--mount-proc", *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0 and proc.stderr.startswith("unshare"):
+        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[:200]}")
+    return proc
 
 
 def _modes() -> list:

@@ -190,3 +190,62 @@ def test_the_rollout_stage_records_what_the_model_saw(tiny_checkpoint, tmp_path)
     for r in rows:
         assert r["prompt_ids"] == tok(r["prompt_text"], add_special_tokens=False)["input_ids"]
     assert [len(r["loss_mask"]) for r in rows] == [len(r["completion_ids"]) for r in rows]
+
+
+LONG = ", " + "1+1=2, " * 30  # 212 characters: the demo's char tokenizer, a token each
+
+
+class LongEpisode(HintEpisode):
+    def reset(self):
+        return LONG if self.row.get("hint") else None
+
+    def step(self, model_turn):
+        return Observation("<tool_response>ok</tool_response>")
+
+
+def make_long(spec):
+    env = Hint(spec)
+    env.start = LongEpisode
+    return env
+
+
+def test_a_reset_that_leaves_no_room_for_the_completion_is_an_error_on_its_episode():
+    """The prompt as extended has no position left for a completion token: that episode
+    samples from its prompt as given (not cut to fit) and its tool calls answer with the
+    error, as a failing reset's; the other row's episode runs as usual."""
+    engine = ScriptedEngine([["<tool_call>1</tool_call>"] * 2, ["<|eos|>"] * 2])
+    spec = ToolSpec(tools=("tests.tools.test_env_reset:make_long",), max_turns=2)
+    context = len(PROMPTS[0]) + 40  # the data's prompts fit, with max_new_tokens=40
+    got = run_turns(engine, PROMPTS, SamplingParams(n=1, max_new_tokens=40), desc="t",
+                    progress=False, tools=spec, rows=ROWS, context=context)  # fmt: skip
+    assert engine.calls[0][0] == PROMPTS  # nothing added, nothing cut
+    assert all(s.prompt_ids is None and s.prompt is None for s in got)
+    errors = [t["error"] for s in got for t in s.turns if t["role"] == "tool"]
+    assert errors[1] is None
+    assert errors[0].startswith("RuntimeError: the environment's reset() made the prompt too")
+    assert f"and the model has {context:,} positions" in errors[0]
+
+
+def test_rollouts_keep_within_the_model_positions_when_a_reset_extends_the_prompt(hf):
+    """Through the rollout path with the hf engine and the model's real positions (256): a
+    reset that pushes the prompt past them leaves the row's prompt as given; one that still
+    fits samples from the extended prompt with the positions left as its budget (3 here, so
+    its completions end at 3 tokens, ``length``); every row's prompt + completion fits."""
+    engine, model, tok = hf
+    context = model.config.max_position_embeddings
+    near = "1" * (context - len(LONG) - 3)  # + LONG: 3 positions left of the 40 asked for
+    far = "2" * 100  # fits with 40 more; + LONG's 212 tokens, over the positions
+    rows = [{"prompt": p, "answer": "1", "hint": True} for p in (near, far)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=3)
+    spec = ToolSpec(tools=("tests.tools.test_env_reset:make_long",), max_turns=1)
+    table = iteration.sample(engine, tok, rows, params, policy_id="p", progress=False,
+                             tools=spec, context=context)  # fmt: skip
+    out = table.to_pylist()
+    assert [r["episode_prompt"] for r in out] == [near + LONG] * 2 + [far] * 2
+    extended = tok(near + LONG, add_special_tokens=False)["input_ids"]
+    given = tok(far, add_special_tokens=False)["input_ids"]
+    assert [r["prompt_ids"] for r in out] == [extended] * 2 + [given] * 2  # far's not cut
+    assert len(extended) == context - 3
+    assert [(len(r["completion_ids"]), r["finish_reason"]) for r in out[:2]] == [(3, "length")] * 2
+    for r in out:
+        assert len(r["prompt_ids"]) + len(r["completion_ids"]) <= context

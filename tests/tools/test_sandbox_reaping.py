@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from grpo_core.sandbox import SandboxUnavailable, detect_isolation
+from rewards.sandbox_programs import isolation_or_skip, run_as_pid_1
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(Path(__file__).with_name("reaping_driver.py"))
@@ -27,17 +24,9 @@ def in_own_pid_namespace(tmp: Path, isolation: str, *args: str) -> object:
     """Run the driver as PID 1 of a new pid namespace; its JSON answer. ``tmp``: the scorers'
     temporary folder (a killed one leaves its sandbox folders behind, named by a pid that
     means nothing outside the namespace)."""
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare here (util-linux)")
-    cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, DRIVER, *args]
+    isolation_or_skip(isolation)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0 and proc.stderr.startswith("unshare"):
-        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[:200]}")
+    proc = run_as_pid_1([sys.executable, DRIVER, *args], env, timeout=300)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1])

@@ -12,18 +12,19 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from rewards.sandbox_programs import OUTSIDE, SECRET, hostile, sandbox_uids_alive
+from rewards.sandbox_programs import (
+    OUTSIDE,
+    SECRET,
+    available,
+    hostile,
+    isolation_or_skip,
+    run_as_pid_1,
+    sandbox_uids_alive,
+)
 
 from grpo_core.engines.environments import PythonTool, ToolSpec
-from grpo_core.sandbox import SandboxUnavailable, detect_isolation
 
-try:
-    detect_isolation()
-    ISOLATED = True
-except SandboxUnavailable:
-    ISOLATED = False
-
-pytestmark = pytest.mark.skipif(not ISOLATED, reason="no sandbox isolation on this machine")
+pytestmark = pytest.mark.skipif(not available(), reason="no sandbox isolation on this machine")
 SPEC = ToolSpec(timeout_s=4.0, memory_mb=512, max_tool_output_tokens=32)
 
 
@@ -36,10 +37,7 @@ def calls(request):
     """The hostile suite as tool calls, under each isolation, on a warm sandbox (a clean
     process forked per call) and on a fresh sandbox per call."""
     iso, mode = request.param
-    try:
-        detect_isolation(iso)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+    isolation_or_skip(iso)
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(16)
@@ -106,10 +104,7 @@ raise ValueError("the call failed")
 def test_a_reply_forged_on_the_pipe_does_not_hide_a_failed_call(isolation):
     """The program writes ``{"ok": true}`` on the candidate's reply pipe, then raises: the
     observation still says the call failed (the exit status decides, read from outside)."""
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+    isolation_or_skip(isolation)
     tool = PythonTool(ToolSpec(isolation=isolation))
     obs = tool.run(FORGE_THEN_RAISE)
     assert obs.error is not None
@@ -143,10 +138,7 @@ def test_sysv_shared_memory_and_queues_are_refused(isolation):
 
     from grpo_core.rewards.code import code_runs
 
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+    isolation_or_skip(isolation)
     obs = PythonTool(ToolSpec(isolation=isolation)).run(SYSV_IPC)
     assert obs.error is None, obs.text
     body = obs.text.removeprefix("<tool_response>").removesuffix("</tool_response>")
@@ -178,21 +170,11 @@ print(os.getpid(), len(zombies))
 def test_no_zombie_is_left_under_a_pid_1_that_does_not_reap(isolation):
     """As a container's entry point (here ``unshare --pid --fork``: the scorer is PID 1 and
     nothing else reaps), five tool calls leave no zombie (bwrap left one per call)."""
-    import shutil
-    import subprocess
     import sys
     from pathlib import Path
 
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
-    if shutil.which("unshare") is None:
-        pytest.skip("no unshare here")
+    isolation_or_skip(isolation)
     root = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "ISO": isolation, "PYTHONPATH": root}
-    proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c",
-                           ZOMBIES], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    if proc.returncode != 0 and "unshare" in proc.stderr:
-        pytest.skip(f"cannot make a pid namespace here: {proc.stderr.strip()[:200]}")
+    proc = run_as_pid_1([sys.executable, "-c", ZOMBIES], env, timeout=120)
     assert proc.stdout.split() == ["1", "0"], proc.stderr[-2000:]

@@ -16,20 +16,17 @@ import time
 from pathlib import Path
 
 import pytest
-from rewards.sandbox_programs import sandbox_uids_alive
+from rewards.sandbox_programs import isolation_or_skip, sandbox_uids_alive
 
 from grpo_core.engines.environments import PythonTool, ToolSpec
-from grpo_core.sandbox import Limits, SandboxUnavailable, detect_isolation, forkserver
+from grpo_core.sandbox import Limits, detect_isolation, forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 MODES = ["bwrap", "namespaces"]
 
 
 def warm_tool(isolation: str, workers: int = 1, **kw) -> PythonTool:
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+    isolation_or_skip(isolation)
     forkserver.shutdown_all()  # servers of its own, none left from another test
     tool = PythonTool(ToolSpec(isolation=isolation, sandbox="warm", workers=workers, **kw))
     limits = Limits(memory_bytes=tool.spec.memory_mb << 20)
@@ -246,10 +243,7 @@ def server_processes() -> list[int]:
 @pytest.mark.parametrize("how", ["exit", "kill"])
 @pytest.mark.parametrize("isolation", MODES)
 def test_no_server_outlives_the_scorer(isolation, how):
-    try:
-        detect_isolation(isolation)
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+    isolation_or_skip(isolation)
     before = set(server_processes())
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", SCORER, isolation], env=env, text=True,
