@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_core.config.tools import ToolSpec
+from grpo_core.config.tools import ToolSpec, tool_spec_of
 from grpo_core.registry import Registry
 
 ENGINES: Registry = Registry("rollout engine")
@@ -37,16 +37,6 @@ def check_engine_name(name: str, where: str = "engine") -> str:
         raise ValueError(f"{where}: {name!r} is not a rollout engine; expected one of "
                          f"{ENGINES.names()}")  # fmt: skip
     return name
-
-
-def tool_spec_of(value: ToolSpec | Mapping | None) -> ToolSpec | None:
-    """A ``ToolSpec`` from itself or its fields (an older record's dict), or None."""
-    if value is None or isinstance(value, ToolSpec):
-        return value
-    data = dict(value)
-    data["tools"] = tuple(data.get("tools") or ())
-    data["functions"] = tuple(data.get("functions") or ())
-    return ToolSpec(**data)
 
 
 @dataclass(frozen=True)
