@@ -2,9 +2,11 @@
 
 :class:`EngineSpec` is built once from the config (``RolloutConfig.engine_spec``): the
 engine's name, its options, whether to probe its weights against the trainer's, and the
-environment (``ToolSpec``, or None). The rollout, evaluation and rejection-sampling tasks
-take it as it is and hand it to ``SampleRequest.of`` (grpo_core/engines/turns.py); its
-:meth:`EngineSpec.settings` are what the stage cache keys and the run records see.
+environment (``ToolSpec``: the ``rollout`` section's tool knobs under their own names, or
+None). The rollout, evaluation and rejection-sampling tasks take it as it is and hand it to
+``SampleRequest.of`` (grpo_core/engines/turns.py); its :meth:`EngineSpec.settings` are what
+the stage cache keys and the run records see (the tool knobs under their record names,
+grpo_core/config/tools.py: ``RECORD_NAMES``).
 
 ``ENGINES`` (rollout engines) and ``ENVIRONMENTS`` (the built-in environments of
 ``rollout.tools``) are registries (grpo_core/registry.py) whose entries are
@@ -74,7 +76,8 @@ class EngineSpec:
         return out
 
     def tools_settings(self) -> dict | None:
-        """The environment's settings as the stage cache keys take them (None: no tools)."""
+        """The environment's settings as the stage cache keys take them (``ToolSpec.as_dict``;
+        None: no tools)."""
         return None if self.tools is None else self.tools.as_dict()
 
     def with_tools(self, tools: ToolSpec | Mapping | None) -> EngineSpec:
@@ -87,5 +90,4 @@ __all__ = [
     "EngineSpec",
     "ToolSpec",
     "check_engine_name",
-    "tool_spec_of",
 ]

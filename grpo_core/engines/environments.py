@@ -37,6 +37,7 @@ from grpo_core.config.tools import (  # noqa: F401  (the markers are imported fr
     RESULT_END,
     RESULT_START,
     ToolSpec,
+    tool_spec_of,
 )
 
 
@@ -179,7 +180,6 @@ class _PythonEpisode:
 
 
 def load_spec(value: Any) -> ToolSpec | None:
-    """A ``ToolSpec`` from itself or its fields, or None (grpo_core/config/engine.py)."""
-    from grpo_core.config.engine import tool_spec_of
-
+    """A ``ToolSpec`` from itself, its fields or a record's dict, or None
+    (grpo_core/config/tools.py)."""
     return tool_spec_of(value)
