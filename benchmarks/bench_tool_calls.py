@@ -71,10 +71,11 @@ def leave_cgroup(group: Path | None) -> None:
 
 def spec(isolation: str, mode: str) -> ToolSpec:
     fields = ToolSpec.__dataclass_fields__
-    extra = {"sandbox": mode} if "sandbox" in fields else {}
+    p = "tool_" if "tool_workers" in fields else ""  # older checkouts: the unprefixed names
+    extra = {f"{p}sandbox": mode} if f"{p}sandbox" in fields else {}
     if mode != "fresh" and not extra:
         raise SystemExit(f"this checkout has no {mode!r} tool sandbox")
-    return ToolSpec(isolation=isolation, workers=1, **extra)
+    return ToolSpec(**{f"{p}isolation": isolation, f"{p}workers": 1}, **extra)
 
 
 def shutdown() -> None:

@@ -82,7 +82,7 @@ class _Episode:
 
 def spec(turns: int) -> ToolSpec:
     return ToolSpec(tools=(f"{Path(__file__).resolve()}:AlwaysCall",), max_turns=turns,
-                    max_tool_output_tokens=16, workers=1)  # fmt: skip
+                    max_tool_output_tokens=16, tool_workers=1)  # fmt: skip
 
 
 def prompts(tok, episodes: int) -> list[list[int]]:

@@ -79,7 +79,7 @@ def user_code(names) -> dict[str, str]:
 def tool_code(tools) -> tuple:
     """The user code of an environment (a ``ToolSpec``, or its fields): its environment and
     function tools, by name (:func:`user_code`)."""
-    from grpo_core.config.engine import tool_spec_of
+    from grpo_core.config.tools import tool_spec_of
 
     tools = tool_spec_of(tools)
     return () if tools is None else (*tools.tools, *tools.functions)

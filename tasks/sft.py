@@ -17,8 +17,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from cluster import process, storage
-from grpo_core.config.engine import tool_spec_of
 from grpo_core.config.stages import SFTConfig
+from grpo_core.config.tools import tool_spec_of
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.training.checkpoint import policy_id, save_checkpoint
 from tasks.cache import cached, stage_key, tool_code

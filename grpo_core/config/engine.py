@@ -2,9 +2,11 @@
 
 :class:`EngineSpec` is built once from the config (``RolloutConfig.engine_spec``): the
 engine's name, its options, whether to probe its weights against the trainer's, and the
-environment (``ToolSpec``, or None). The rollout, evaluation and rejection-sampling tasks
-take it as it is and hand it to ``SampleRequest.of`` (grpo_core/engines/turns.py); its
-:meth:`EngineSpec.settings` are what the stage cache keys and the run records see.
+environment (``ToolSpec``: the ``rollout`` section's tool knobs under their own names, or
+None). The rollout, evaluation and rejection-sampling tasks take it as it is and hand it to
+``SampleRequest.of`` (grpo_core/engines/turns.py); its :meth:`EngineSpec.settings` are what
+the stage cache keys and the run records see (the tool knobs under their record names,
+grpo_core/config/tools.py: ``RECORD_NAMES``).
 
 ``ENGINES`` (rollout engines) and ``ENVIRONMENTS`` (the built-in environments of
 ``rollout.tools``) are registries (grpo_core/registry.py) whose entries are
@@ -19,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpo_core.config.tools import ToolSpec
+from grpo_core.config.tools import ToolSpec, tool_spec_of
 from grpo_core.registry import Registry
 
 ENGINES: Registry = Registry("rollout engine")
@@ -37,16 +39,6 @@ def check_engine_name(name: str, where: str = "engine") -> str:
         raise ValueError(f"{where}: {name!r} is not a rollout engine; expected one of "
                          f"{ENGINES.names()}")  # fmt: skip
     return name
-
-
-def tool_spec_of(value: ToolSpec | Mapping | None) -> ToolSpec | None:
-    """A ``ToolSpec`` from itself or its fields (an older record's dict), or None."""
-    if value is None or isinstance(value, ToolSpec):
-        return value
-    data = dict(value)
-    data["tools"] = tuple(data.get("tools") or ())
-    data["functions"] = tuple(data.get("functions") or ())
-    return ToolSpec(**data)
 
 
 @dataclass(frozen=True)
@@ -84,7 +76,8 @@ class EngineSpec:
         return out
 
     def tools_settings(self) -> dict | None:
-        """The environment's settings as the stage cache keys take them (None: no tools)."""
+        """The environment's settings as the stage cache keys take them (``ToolSpec.as_dict``;
+        None: no tools)."""
         return None if self.tools is None else self.tools.as_dict()
 
     def with_tools(self, tools: ToolSpec | Mapping | None) -> EngineSpec:
@@ -97,5 +90,4 @@ __all__ = [
     "EngineSpec",
     "ToolSpec",
     "check_engine_name",
-    "tool_spec_of",
 ]

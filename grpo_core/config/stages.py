@@ -12,6 +12,7 @@ typed settings a concern reads (``settings.py``, ``loss.py``), and the tasks han
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
@@ -22,14 +23,7 @@ from grpo_core.config.model import DemoModelConfig, LoraConfig, ModelConfig
 from grpo_core.config.rl import RLConfig
 from grpo_core.config.section import Section, TrainingKnobs
 from grpo_core.config.settings import SFTSettings, same_named
-from grpo_core.config.tools import (
-    CALL_END,
-    CALL_START,
-    RESULT_END,
-    RESULT_START,
-    TRUNCATION_MARK,
-    ToolSpec,
-)
+from grpo_core.config.tools import ToolSpec
 
 __all__ = [
     "DataConfig",
@@ -132,6 +126,14 @@ def _engine_name(value: str | None) -> str | None:
 
 EngineName = Annotated[str, AfterValidator(_engine_name)]
 
+# The environment's knobs: ToolSpec's fields (grpo_core/config/tools.py) are declared again
+# below, under the same names and with ToolSpec's defaults, for their validation and their
+# descriptions; ``RolloutConfig.tool_spec`` copies them across by name.
+TOOL = ToolSpec()
+TOOL_KNOBS = tuple(
+    f.name for f in fields(ToolSpec) if f.name not in ("tools", "functions", "tool_isolation")
+)
+
 
 class RolloutConfig(Section):
     engine: EngineName = Field("hf", description="the rollout engine: hf or vllm (ENGINES)")
@@ -163,26 +165,35 @@ class RolloutConfig(Section):
         "its code in the code sandbox; the output comes back between the result markers) or "
         "['module:function'] (your own, docs/tools.md); empty: one model turn",
     )
-    max_turns: int = Field(4, ge=1, description="model turns per episode (tools only)")
+    max_turns: int = Field(TOOL.max_turns, ge=1, description="model turns per episode (tools only)")
     max_tool_output_tokens: int = Field(
-        64, ge=4, description="an observation's tokens, result markers included (tools only)"
+        TOOL.max_tool_output_tokens,
+        ge=4,
+        description="an observation's tokens, result markers included (tools only)",
     )
-    tool_call_start: str = Field(CALL_START, min_length=1)
-    tool_call_end: str = Field(CALL_END, min_length=1, description="ends a turn that calls")
-    tool_result_start: str = Field(RESULT_START)
-    tool_result_end: str = Field(RESULT_END)
+    tool_call_start: str = Field(TOOL.tool_call_start, min_length=1)
+    tool_call_end: str = Field(
+        TOOL.tool_call_end, min_length=1, description="ends a turn that calls"
+    )
+    tool_result_start: str = Field(TOOL.tool_result_start)
+    tool_result_end: str = Field(TOOL.tool_result_end)
     tool_timeout_s: float = Field(
-        5.0, ge=0.1, le=3600, description="one tool call's wall clock (0.1 s to an hour)"
+        TOOL.tool_timeout_s,
+        ge=0.1,
+        le=3600,
+        description="one tool call's wall clock (0.1 s to an hour)",
     )
     tool_memory_mb: int = Field(
-        512,
+        TOOL.tool_memory_mb,
         ge=64,
         le=1 << 22,
         description="one tool call's address space (preflight: at most the machine's memory)",
     )
-    tool_workers: int = Field(0, ge=0, description="tool calls at once (0: the cores)")
+    tool_workers: int = Field(
+        TOOL.tool_workers, ge=0, description="tool calls at once (0: the cores)"
+    )
     tool_sandbox: Literal["warm", "fresh"] = Field(
-        "warm",
+        TOOL.tool_sandbox,
         description="the python tool's sandbox: 'warm' (started once per worker, a clean "
         "process forked per call) or 'fresh' (a new sandbox per call, ~125 ms); the same "
         "isolation, limits and outputs",
@@ -195,7 +206,7 @@ class RolloutConfig(Section):
         "['functions']",
     )
     tool_truncation_mark: str = Field(
-        TRUNCATION_MARK,
+        TOOL.tool_truncation_mark,
         description="put before the result end marker where a tool's output was cut to "
         "max_tool_output_tokens (the model and the turns record see it was cut)",
     )
@@ -236,24 +247,12 @@ class RolloutConfig(Section):
         return ["functions"] if self.functions else list(self.tools)
 
     def tool_spec(self) -> ToolSpec | None:
-        """The environment's settings, or None without ``tools``."""
+        """The environment's settings, or None without ``tools``: this section's knobs of
+        the same names, copied (``tools`` is the :attr:`environment`)."""
         if not self.environment:
             return None
-        return ToolSpec(
-            tools=tuple(self.environment),
-            functions=tuple(self.functions),
-            max_turns=self.max_turns,
-            max_tool_output_tokens=self.max_tool_output_tokens,
-            call_start=self.tool_call_start,
-            call_end=self.tool_call_end,
-            result_start=self.tool_result_start,
-            result_end=self.tool_result_end,
-            timeout_s=self.tool_timeout_s,
-            memory_mb=self.tool_memory_mb,
-            workers=self.tool_workers,
-            sandbox=self.tool_sandbox,
-            truncation_mark=self.tool_truncation_mark,
-        )
+        knobs = {name: getattr(self, name) for name in TOOL_KNOBS}
+        return ToolSpec(**knobs, tools=tuple(self.environment), functions=tuple(self.functions))
 
     def engine_options(self, name: str) -> dict:
         if name == "hf":

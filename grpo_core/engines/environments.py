@@ -37,6 +37,7 @@ from grpo_core.config.tools import (  # noqa: F401  (the markers are imported fr
     RESULT_END,
     RESULT_START,
     ToolSpec,
+    tool_spec_of,
 )
 
 
@@ -91,13 +92,13 @@ def called_code(turn: str, spec: ToolSpec) -> str | None:
     """The code of the call a model turn ends with (between the last call start and the
     call end that ends the turn; a ```python fence is dropped), or None: no call."""
     text = turn.rstrip()
-    if not text.endswith(spec.call_end):
+    if not text.endswith(spec.tool_call_end):
         return None
-    body = text[: -len(spec.call_end)]
-    start = body.rfind(spec.call_start)
+    body = text[: -len(spec.tool_call_end)]
+    start = body.rfind(spec.tool_call_start)
     if start < 0:
         return None
-    code = body[start + len(spec.call_start) :].strip()
+    code = body[start + len(spec.tool_call_start) :].strip()
     if code.startswith("```"):
         code = code.split("\n", 1)[1] if "\n" in code else ""
         code = code.removesuffix("```").rstrip()
@@ -138,9 +139,9 @@ class PythonTool:
 
         self.calls += 1
         limits = Limits(
-            wall_seconds=self.spec.timeout_s,
-            cpu_seconds=max(1, math.ceil(self.spec.timeout_s)),
-            memory_bytes=self.spec.memory_mb << 20,
+            wall_seconds=self.spec.tool_timeout_s,
+            cpu_seconds=max(1, math.ceil(self.spec.tool_timeout_s)),
+            memory_bytes=self.spec.tool_memory_mb << 20,
         )
         start = time.perf_counter()
         try:
@@ -150,21 +151,23 @@ class PythonTool:
             output, error = "", f"{type(exc).__name__}: {exc}"
         seconds = time.perf_counter() - start
         text = output.strip() if error is None else (output.strip() + "\n" + error).strip()
-        return Observation(f"{self.spec.result_start}{text}{self.spec.result_end}", error, seconds)
+        return Observation(
+            f"{self.spec.tool_result_start}{text}{self.spec.tool_result_end}", error, seconds
+        )
 
 
 def _run_call(program: str, limits: Any, spec: ToolSpec) -> Any:
-    """One call in the sandbox: on a warm server (``spec.sandbox == "warm"``, under bwrap or
+    """One call in the sandbox: on a warm server (``spec.tool_sandbox == "warm"``, under bwrap or
     namespaces: grpo_core/sandbox/forkserver.py), else in a fresh sandbox of its own."""
     from grpo_core.sandbox import detect_isolation, run_program
 
-    iso = detect_isolation(spec.isolation)
-    if spec.sandbox == "warm" and iso.contained:
+    iso = detect_isolation(spec.tool_isolation)
+    if spec.tool_sandbox == "warm" and iso.contained:
         from grpo_core.sandbox import forkserver
 
-        workers = spec.workers or os.cpu_count() or 1
+        workers = spec.tool_workers or os.cpu_count() or 1
         return forkserver.run_tool(program, iso, limits, workers)
-    return run_program(program, kind="tool", limits=limits, isolation=spec.isolation)
+    return run_program(program, kind="tool", limits=limits, isolation=spec.tool_isolation)
 
 
 @dataclass
@@ -177,7 +180,6 @@ class _PythonEpisode:
 
 
 def load_spec(value: Any) -> ToolSpec | None:
-    """A ``ToolSpec`` from itself or its fields, or None (grpo_core/config/engine.py)."""
-    from grpo_core.config.engine import tool_spec_of
-
+    """A ``ToolSpec`` from itself, its fields or a record's dict, or None
+    (grpo_core/config/tools.py)."""
     return tool_spec_of(value)

@@ -115,7 +115,7 @@ class _FunctionEpisode:
 
     def step(self, model_turn: str) -> Observation | None:
         spec = self.tools.spec
-        calls = parse_calls(model_turn, spec.call_start, spec.call_end)
+        calls = parse_calls(model_turn, spec.tool_call_start, spec.tool_call_end)
         if not calls:
             return None  # no call: the episode ends
         start, messages, errors = time.perf_counter(), [], []

@@ -183,7 +183,7 @@ class _Episodes:
         env = environment(self.spec)
         # JSON calls (the functions environment): a turn ends at the end-of-turn token and
         # may hold several calls; else the call's end marker ends it
-        extra = () if self.spec.json_calls else (self.spec.call_end,)
+        extra = () if self.spec.json_calls else (self.spec.tool_call_end,)
         params = dataclasses.replace(self.params, stop=(*self.params.stop, *extra))
         n = params.n
         opens = open_episodes(env, prompt_ids, rows, n, self.engine.tokenizer, self.context)
@@ -268,7 +268,7 @@ class _Episodes:
             return None
         if self.spec.json_calls:  # the environment finds the calls (none: the episode ends)
             return tok.decode(ids, skip_special_tokens=False)
-        return call_turn(tok, ids, self.spec.call_end)
+        return call_turn(tok, ids, self.spec.tool_call_end)
 
     def _step(self, call: tuple[_Episode, str]) -> Observation | None:
         """The episode's answer to a turn; an environment that raises answers with its error
@@ -279,7 +279,7 @@ class _Episodes:
             return ep.env.step(text)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"[:300]
-            body = f"{self.spec.result_start}{error}{self.spec.result_end}"
+            body = f"{self.spec.tool_result_start}{error}{self.spec.tool_result_end}"
             return Observation(body, error, time.perf_counter() - start)
 
     def _observe(self, calls: list[tuple[_Episode, str]]) -> list[_Episode]:
@@ -287,19 +287,21 @@ class _Episodes:
         episodes that go on."""
         if not calls:
             return []
-        workers = self.spec.workers or os.cpu_count() or 1
+        workers = self.spec.tool_workers or os.cpu_count() or 1
         with ThreadPoolExecutor(max_workers=min(workers, len(calls))) as pool:
             observations = list(pool.map(self._step, calls))
         tok, going, spec = self.engine.tokenizer, [], self.spec
-        mark = encode_mark(tok, spec.truncation_mark)
-        end = tok(spec.result_end, add_special_tokens=False)["input_ids"]
+        mark = encode_mark(tok, spec.tool_truncation_mark)
+        end = tok(spec.tool_result_end, add_special_tokens=False)["input_ids"]
         for (ep, _), obs in zip(calls, observations, strict=True):
             if obs is None:  # the environment ends the episode
                 continue
             if obs.messages is not None:  # tool messages, rendered by the chat template
                 ids = encode_tool_messages(tok, obs.messages, spec.max_tool_output_tokens, mark)
             else:
-                ids = encode_observation(tok, obs.text, spec.result_start, spec.result_end)
+                ids = encode_observation(
+                    tok, obs.text, spec.tool_result_start, spec.tool_result_end
+                )
                 ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
             take = ids[: ep.left]
             text = tok.decode(take, skip_special_tokens=True)

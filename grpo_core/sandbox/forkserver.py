@@ -14,7 +14,7 @@ of the sandbox but the server is killed and reaped and ``/tmp`` wiped; a server 
 replaced, and each server is replaced after :data:`RESTART_EVERY` calls.
 
 Servers are pooled per isolation and tmpfs size, as many as the tool calls run at once
-(``ToolSpec.workers``), one call at a time each. They are started from one long-lived thread
+(``ToolSpec.tool_workers``), one call at a time each. They are started from one long-lived thread
 (bwrap's ``--die-with-parent`` and the namespaces launcher's parent-death signal follow the
 thread that started them), die with this process (parent-death signals, SIGKILL included),
 and are shut down at exit; every process of a server is reaped when it is closed

@@ -79,8 +79,8 @@ def scorer(path: str, isolation: str, calls: int, window: str) -> None:
     detect_isolation(isolation)
     widen(window)
     timeout = 1.0 if calls else 30.0
-    tool = PythonTool(ToolSpec(isolation=isolation, sandbox=path.split("-")[1], workers=1,
-                               timeout_s=timeout))  # fmt: skip
+    tool = PythonTool(ToolSpec(tool_isolation=isolation, tool_sandbox=path.split("-")[1],
+                               tool_workers=1, tool_timeout_s=timeout))  # fmt: skip
     print("go", flush=True)
     i = 0
     while calls == 0 or i < calls:

@@ -84,7 +84,7 @@ def test_the_added_line_is_in_the_prompt_ids_and_out_of_the_completion_mask(hf, 
     assert rows[0]["prompt_text"] == "12+34=" + HINT and rows[3]["prompt_text"] == "5+6="
     # the model sampled from the extended prompt: the same draws as a plain generate of it
     want = generate(model, [with_hint] * 3 + [plain] * 3, SamplingParams(
-        n=1, temperature=1.0, max_new_tokens=10, seed=7, stop=(SPEC.call_end,)), progress=False,
+        n=1, temperature=1.0, max_new_tokens=10, seed=7, stop=(SPEC.tool_call_end,)), progress=False,
         pad_token_id=tok.pad_token_id, eos_token_ids=tok.eos_token_id, tokenizer=tok,
         decode="dynamic")  # fmt: skip
     assert [r["completion_ids"] for r in rows] == [s.completion_ids for s in want]

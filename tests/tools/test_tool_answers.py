@@ -103,11 +103,12 @@ class GuessEpisode:
         self.target, self.spec = target, spec
 
     def step(self, model_turn):
-        if not model_turn.rstrip().endswith(self.spec.call_end):
+        spec = self.spec  # rollout.tool_call_start, rollout.tool_call_end, ...
+        if not model_turn.rstrip().endswith(spec.tool_call_end):
             return None
-        guess = int(model_turn.rsplit(self.spec.call_start, 1)[-1].split(self.spec.call_end)[0])
+        guess = int(model_turn.rsplit(spec.tool_call_start, 1)[-1].split(spec.tool_call_end)[0])
         word = "correct" if guess == self.target else "higher" if guess < self.target else "lower"
-        return Observation(f"{self.spec.result_start}{word}{self.spec.result_end}")
+        return Observation(f"{spec.tool_result_start}{word}{spec.tool_result_end}")
 
 
 def make_guess(spec):

@@ -25,7 +25,7 @@ from rewards.sandbox_programs import (
 from grpo_core.engines.environments import PythonTool, ToolSpec
 
 pytestmark = pytest.mark.skipif(not available(), reason="no sandbox isolation on this machine")
-SPEC = ToolSpec(timeout_s=4.0, memory_mb=512, max_tool_output_tokens=32)
+SPEC = ToolSpec(tool_timeout_s=4.0, tool_memory_mb=512, max_tool_output_tokens=32)
 
 
 @pytest.fixture(
@@ -46,7 +46,9 @@ def calls(request):
     mp = pytest.MonkeyPatch()
     mp.setenv("GRPO_SANDBOX_SECRET", SECRET)
     programs = hostile(port)
-    tool = PythonTool(dataclasses.replace(SPEC, isolation=iso, sandbox=mode, workers=2))
+    tool = PythonTool(
+        dataclasses.replace(SPEC, tool_isolation=iso, tool_sandbox=mode, tool_workers=2)
+    )
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:  # as the turn loop runs a turn's calls
             observations = list(pool.map(tool.run, programs.values()))
@@ -68,8 +70,10 @@ def calls(request):
 def test_every_hostile_call_is_an_observation_and_the_host_is_untouched(calls):
     observations, alive, connections = calls
     for name, obs in observations.items():
-        assert obs.text.startswith(SPEC.result_start) and obs.text.endswith(SPEC.result_end), name
-        assert obs.seconds < SPEC.timeout_s + 5, (name, obs.seconds)
+        assert obs.text.startswith(SPEC.tool_result_start) and obs.text.endswith(
+            SPEC.tool_result_end
+        ), name
+        assert obs.seconds < SPEC.tool_timeout_s + 5, (name, obs.seconds)
     for p in OUTSIDE:
         assert not os.path.exists(p), f"a tool call escaped: {p}"
     assert alive == [], "tool-call processes outlived the call"
@@ -90,7 +94,7 @@ def test_a_flood_of_output_is_cut_and_the_next_call_still_runs():
     tool = PythonTool(SPEC)
     flood = tool.run("print('7' * (50 << 20))")
     assert len(flood.text) < 10_000 and "more characters" in flood.text
-    assert tool.run("print(6*7)").text == f"{SPEC.result_start}42{SPEC.result_end}"
+    assert tool.run("print(6*7)").text == f"{SPEC.tool_result_start}42{SPEC.tool_result_end}"
 
 
 FORGE_THEN_RAISE = """
@@ -105,7 +109,7 @@ def test_a_reply_forged_on_the_pipe_does_not_hide_a_failed_call(isolation):
     """The program writes ``{"ok": true}`` on the candidate's reply pipe, then raises: the
     observation still says the call failed (the exit status decides, read from outside)."""
     isolation_or_skip(isolation)
-    tool = PythonTool(ToolSpec(isolation=isolation))
+    tool = PythonTool(ToolSpec(tool_isolation=isolation))
     obs = tool.run(FORGE_THEN_RAISE)
     assert obs.error is not None
     assert tool.run("print(6 * 7)").error is None
@@ -139,7 +143,7 @@ def test_sysv_shared_memory_and_queues_are_refused(isolation):
     from grpo_core.rewards.code import code_runs
 
     isolation_or_skip(isolation)
-    obs = PythonTool(ToolSpec(isolation=isolation)).run(SYSV_IPC)
+    obs = PythonTool(ToolSpec(tool_isolation=isolation)).run(SYSV_IPC)
     assert obs.error is None, obs.text
     body = obs.text.removeprefix("<tool_response>").removesuffix("</tool_response>")
     assert body.split() == ["-1", str(errno.EPERM), "-1", str(errno.EPERM)]
@@ -151,7 +155,7 @@ def test_sysv_shared_memory_and_queues_are_refused(isolation):
 ZOMBIES = """
 import os
 from grpo_core.engines.environments import PythonTool, ToolSpec
-tool = PythonTool(ToolSpec(isolation=os.environ["ISO"]))
+tool = PythonTool(ToolSpec(tool_isolation=os.environ["ISO"]))
 for _ in range(5):
     tool.run("print(1)")
 zombies = []

@@ -28,15 +28,17 @@ MODES = ["bwrap", "namespaces"]
 def warm_tool(isolation: str, workers: int = 1, **kw) -> PythonTool:
     isolation_or_skip(isolation)
     forkserver.shutdown_all()  # servers of its own, none left from another test
-    tool = PythonTool(ToolSpec(isolation=isolation, sandbox="warm", workers=workers, **kw))
-    limits = Limits(memory_bytes=tool.spec.memory_mb << 20)
+    tool = PythonTool(
+        ToolSpec(tool_isolation=isolation, tool_sandbox="warm", tool_workers=workers, **kw)
+    )
+    limits = Limits(memory_bytes=tool.spec.tool_memory_mb << 20)
     forkserver.pool(detect_isolation(isolation), limits.workdir_bytes).started = 0
     return tool
 
 
 def servers_started(tool: PythonTool) -> int:
-    limits = Limits(memory_bytes=tool.spec.memory_mb << 20)
-    return forkserver.pool(detect_isolation(tool.spec.isolation), limits.workdir_bytes).started
+    limits = Limits(memory_bytes=tool.spec.tool_memory_mb << 20)
+    return forkserver.pool(detect_isolation(tool.spec.tool_isolation), limits.workdir_bytes).started
 
 
 def body(obs) -> str:
@@ -173,7 +175,7 @@ def test_warm_and_fresh_give_the_same_outputs(isolation):
     """The same calls give the same observations on a fresh sandbox per call and on a warm
     one (hash seed, flags, environment, working directory, errors, output cuts)."""
     warm = warm_tool(isolation)
-    fresh = PythonTool(ToolSpec(isolation=isolation, sandbox="fresh"))
+    fresh = PythonTool(ToolSpec(tool_isolation=isolation, tool_sandbox="fresh"))
     for code in SAME:
         a, b = fresh.run(code), warm.run(code)
         assert (a.text, a.error) == (b.text, b.error), code
@@ -219,7 +221,7 @@ def test_a_dead_server_is_replaced_and_servers_restart(isolation, monkeypatch):
 SCORER = """
 import sys
 from grpo_core.engines.environments import PythonTool, ToolSpec
-tool = PythonTool(ToolSpec(isolation=sys.argv[1], sandbox="warm", workers=2))
+tool = PythonTool(ToolSpec(tool_isolation=sys.argv[1], tool_sandbox="warm", tool_workers=2))
 from concurrent.futures import ThreadPoolExecutor
 with ThreadPoolExecutor(2) as pool:  # started from threads that end: the servers must not
     print(list(pool.map(lambda c: tool.run(c).text, ["print(1)", "print(2)"])), flush=True)

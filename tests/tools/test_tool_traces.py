@@ -43,7 +43,7 @@ def test_generated_tool_traces_call_code_that_gives_the_answer():
     rows = multiply.make_splits(0, n_sft=20, n_rl=1, n_dev=0, n_eval=1).sft
     rows += word_problems.make_splits(0, n_sft=60, n_rl=1, n_eval=1, tools=True).sft
     for r in rows:
-        turn = r["completion"].split(spec.result_start)[0]
+        turn = r["completion"].split(spec.tool_result_start)[0]
         code = called_code(turn, spec)
         assert code is not None, r["completion"]
         assert str(eval(code, {"__builtins__": {}})) == r["answer"], (code, r["answer"])
