@@ -20,9 +20,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_fail_fast import _parquet, _rollout_rows
 from tests_support import TINY_OVERRIDES
 
+from benchmarks.preflight_inputs import _parquet, _rollout_rows
 from grpo_core.errors import UserError
 from grpo_core.rewards import ScoreResult, Scores
 from grpo_core.rewards.base import RewardUnavailable
