@@ -253,6 +253,18 @@ CASES = [
         lambda p: ["eval", "--checkpoint", p["ckpt"], "--data", p["rl_no_answer"]],
         ["--data", "'answer'", "eval.accuracy_reward"],
     ),
+    # the python tool on a checkpoint whose vocabulary has no tool markers (the stage
+    # commands check the markers against the checkpoint's tokenizer, not the run's model)
+    (
+        "rollout_tools_no_markers",
+        lambda p: ["rollout", "--policy", p["ckpt"], "--set", "rollout.tools=[python]"],
+        ["rollout.tool_call_start", "vocabulary"],
+    ),
+    (
+        "eval_tools_no_markers",
+        lambda p: ["eval", "--checkpoint", p["ckpt"], "--set", "rollout.tools=[python]"],
+        ["rollout.tool_call_start", "vocabulary"],
+    ),
 ]
 
 
