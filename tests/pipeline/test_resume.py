@@ -240,7 +240,7 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
     tool rollouts are recorded and being scored, before its update (iteration 2's state was
     not kept: save points 1 and 3): the rerun reuses the tool rollouts on disk, replays
     iteration 2's update from iteration 1's kept state and ends with the uninterrupted run's
-    weights, bit for bit."""
+    weights, bit for bit (RL changes them: a length reward spreads every group)."""
     from grpo_core.sandbox import SandboxUnavailable, detect_isolation
 
     try:
@@ -250,8 +250,15 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
     code = tmp_path / "code"
     for pkg in PACKAGES:
         shutil.copytree(ROOT / pkg, code / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    # at this budget no completion is right: a reward for length gives every group some
+    # spread, so each RL iteration moves the weights and a wrong replay would show
+    (tmp_path / "length_reward.py").write_text(
+        "def shorter(prompts, completions, completion_ids, **_):\n"
+        "    return [8 / (8 + len(ids)) for ids in completion_ids]\n"
+    )
+    rewards = f'{{accuracy: 1.0, format: 0.1, "{tmp_path / "length_reward.py"}:shorter": 0.5}}'
     args = ["--config", str(code / "configs" / "demo-tools.yaml")]
-    args += [a for o in TOOL_OVERRIDES for a in ("--set", o)]
+    args += [a for o in [*TOOL_OVERRIDES, f"rewards={rewards}"] for a in ("--set", o)]
     try:
         reference = Run(code, tmp_path / "uninterrupted", args=args)
         ref_out = reference.wait(timeout=300)
@@ -270,5 +277,7 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
     assert rollouts.stat().st_mtime_ns == stamp  # the tool rollouts were not sampled again
     assert re.search(r"rl_1 iteration 2 replayed from", out), out[-4000:]
     killed, straight = tmp_path / "killed/runs/r", tmp_path / "uninterrupted/runs/r"
-    assert _weights(killed) == _weights(straight)
+    weights = _weights(straight)
+    assert weights["rl_1"] != weights["cold_start_sft"]  # RL moved them: the check has teeth
+    assert _weights(killed) == weights
     assert _accuracy_table(out) == _accuracy_table(ref_out)
