@@ -1,0 +1,120 @@
+"""What one slow tool call costs a batch of tool episodes, and the tokens sampled past each
+episode's own budget: the turn loop's barrier, measured (issue goal: a 1 s call in one of 64
+episodes adds at most 0.2 s to the batch's wall, and no episode samples past its budget).
+
+    python benchmarks/bench_straggler.py [--episodes 64] [--turns 4] [--slow 1.0] [--repeats 3]
+
+The model and prompts are benchmarks/bench_turn_prefill.py's (a random Qwen2 of the tool
+demo's shape whose logits are clocked so that every turn ends in a call); the environment
+answers every call at once, except that episode 0's first call takes ``--slow`` seconds in
+the "one slow call" arm. Wall: the best of ``--repeats`` whole turn loops of the hf engine,
+both arms in this one process. Sampled past budget: tokens the engine returned beyond what
+the episodes kept (a turn samples up to the largest budget left in the batch, and each
+episode's share over its own is cut).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_turn_prefill import TURN, clock_model, prompts  # noqa: E402
+
+from grpo_core.engines.environments import Observation, ToolSpec  # noqa: E402
+from grpo_core.engines.generation import SamplingParams  # noqa: E402
+from grpo_core.engines.hf import HFEngine  # noqa: E402
+from grpo_core.engines.turns import run_turns  # noqa: E402
+
+
+class OneSlow:
+    """Answers every call at once with 4-12 tokens; a row with ``slow`` > 0 waits that long
+    on its first call."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def start(self, row):
+        return _Episode(float((row or {}).get("slow", 0.0)))
+
+
+class _Episode:
+    def __init__(self, slow: float):
+        self.slow, self.turn = slow, 0
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 1 and self.slow:
+            time.sleep(self.slow)
+        body = "7" * (2 + (len(text) * 7 + self.turn * 3) % 9)
+        return Observation(f"<tool_response>{body}</tool_response>")
+
+
+class Counting:
+    """The engine, counting the completion tokens its ``generate`` returns."""
+
+    def __init__(self, engine):
+        self.engine, self.sampled = engine, 0
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def generate(self, *args, **kw):
+        out = self.engine.generate(*args, **kw)
+        self.sampled += sum(len(s.completion_ids) for s in out)
+        return out
+
+
+def measure(model, tok, episodes: int, turns: int, slow: float, repeats: int, budget: int):
+    """(best wall s, tokens returned by the engine, tokens the episodes kept)."""
+    spec = ToolSpec(tools=(f"{Path(__file__).resolve()}:OneSlow",), max_turns=turns,
+                    max_tool_output_tokens=16, tool_workers=episodes)  # fmt: skip
+    rows = [{"slow": slow if i == 0 else 0.0} for i in range(episodes)]
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=budget, seed=0)
+    best, sampled, kept = float("inf"), 0, 0
+    for _ in range(repeats):
+        engine = Counting(HFEngine(model, tok))
+        t0 = time.perf_counter()
+        out = run_turns(engine, prompts(tok, episodes), params, desc="bench", progress=False,
+                        tools=spec, rows=rows)  # fmt: skip
+        best = min(best, time.perf_counter() - t0)
+        model_tokens = sum(
+            t["end"] - t["start"] for s in out for t in s.turns if t["role"] == "assistant"
+        )
+        sampled, kept = engine.sampled, model_tokens
+    return best, sampled, kept
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--slow", type=float, default=1.0, help="seconds of episode 0's first call")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model, tok = clock_model()
+    # a budget the turns cannot all fill: later turns start with different budgets left
+    budget = TURN * a.turns + 8 * (a.turns - 1)
+    fast = measure(model, tok, a.episodes, a.turns, 0.0, a.repeats, budget)
+    slow = measure(model, tok, a.episodes, a.turns, a.slow, a.repeats, budget)
+    print(f"{a.episodes} episodes, {a.turns} turns, budget {budget} tokens, torch threads "
+          f"{torch.get_num_threads()}", file=sys.stderr)  # fmt: skip
+    head = ["arm", "wall s", "added by the slow call s", "tokens sampled", "kept",
+            "sampled past budget"]  # fmt: skip
+    print("| " + " | ".join(head) + " |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, (wall, sampled, kept) in (("all calls instant", fast),
+                                        (f"one {a.slow:g} s call", slow)):  # fmt: skip
+        added = "" if name.startswith("all") else f"{wall - fast[0]:.3f}"
+        print(f"| {name} | {wall:.3f} | {added} | {sampled:,} | {kept:,} | "
+              f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
