@@ -64,3 +64,56 @@ def test_vllm_episodes_equal_the_hf_engines(taught):
     spec = ToolSpec(max_turns=2, max_tool_output_tokens=16)
     want = episodes_on_both_engines(path, prompts, spec, 48, 256)
     assert sum(t["role"] == "tool" for s in want for t in s.turns) >= len(prompts) // 2
+
+
+class _Hinted:
+    """An episode whose ``reset`` adds to the prompt (the row's ``hint``), then one turn."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def reset(self):
+        return self.row.get("hint")
+
+    def step(self, model_turn):
+        return None
+
+
+class Hint:
+    def __init__(self, spec):
+        self.spec = spec
+
+    def start(self, row):
+        return _Hinted(row)
+
+
+def test_vllm_samples_the_prompt_a_reset_extended_as_the_hf_engine(taught):
+    """A reset hook that adds to some prompts (grpo_core/engines/openings.py): vLLM samples
+    each episode from its own extended prompt, token for token as the hf engine, and records
+    that prompt."""
+    from grpo_core.contracts.text import extend_prompt
+    from grpo_core.training.tokenizers import saved_tokenizer
+
+    path, _ = taught
+    tok = saved_tokenizer(path)
+    rows = [
+        {"prompt": [{"role": "user", "content": q}], "hint": h}
+        for q, h in (("964*59", ", 9*9=81"), ("123*45", None), ("707*18", " 1+1=2, "))
+    ]
+    prompts = [encode_prompt(tok, r["prompt"]) for r in rows]
+    spec = ToolSpec(tools=("tests.engines.test_vllm_tools:Hint",), max_turns=1)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
+    hf = get_engine("hf", checkpoint=path)
+    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=256)
+    try:
+        want = run_turns(hf, prompts, greedy, desc="hf", progress=False, tools=spec, rows=rows)
+        got = run_turns(vl, prompts, greedy, desc="vllm", progress=False, tools=spec, rows=rows)
+    finally:
+        vl.close()
+    for row, ids, w, g in zip(rows, prompts, want, got, strict=True):
+        assert g.completion_ids == w.completion_ids and g.prompt_ids == w.prompt_ids
+        if row["hint"] is None:
+            assert g.prompt is None and g.prompt_ids in (None, ids)
+        else:
+            extended = encode_prompt(tok, extend_prompt(row["prompt"], row["hint"]))
+            assert g.prompt_ids == extended and g.prompt_ids != ids
