@@ -42,6 +42,13 @@ class ToolSpec:
     # the same isolation, limits and outputs either way
     tool_sandbox: str = "warm"
 
+    def __getattr__(self, name: str):
+        """The fields' record names (``call_end``, ``timeout_s``, ...: :data:`RECORD_NAMES`),
+        read-only, for environments written against them."""
+        if name in FIELD_NAMES:
+            return getattr(self, FIELD_NAMES[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def json_calls(self) -> bool:
         return self.tools == ("functions",)

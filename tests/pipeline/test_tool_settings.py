@@ -94,3 +94,14 @@ def test_a_record_reads_back_under_either_set_of_names():
     engine = EngineSpec("hf", tools=spec)
     assert EngineSpec.of(engine.settings()) == engine
     assert tool_spec_of(ToolSpec().as_dict()) == ToolSpec()  # the default sandbox, left out
+
+
+def test_an_environment_reads_the_knobs_under_their_record_names_too():
+    """Environments written against the older field names (``spec.call_end``,
+    ``spec.timeout_s``) read the same values; unknown names still fail."""
+    spec = ToolSpec(tool_timeout_s=2.5, tool_call_end="</run>", tool_workers=3)
+    for field_name, record in RECORD_NAMES.items():
+        assert getattr(spec, record) == getattr(spec, field_name)
+    assert (spec.timeout_s, spec.call_end, spec.workers) == (2.5, "</run>", 3)
+    with pytest.raises(AttributeError):
+        spec.no_such_knob  # noqa: B018
