@@ -120,9 +120,8 @@ class Run:
         return out
 
 
-def _kill_leftovers(cwd: Path) -> list[int]:
-    """SIGKILL what a run left behind (a temporary Prefect server that outlived a killed
-    run), found by the marker in its environment; returns their pids."""
+def _marked(cwd: Path) -> list[int]:
+    """Live processes of the runs in ``cwd``, found by the marker in their environment."""
     needle = f"{MARKER}={cwd}".encode()
     found = []
     for pid_dir in Path("/proc").iterdir():
@@ -134,8 +133,18 @@ def _kill_leftovers(cwd: Path) -> list[int]:
             continue
         if needle in env:
             found.append(int(pid_dir.name))
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_dir.name), signal.SIGKILL)
+    return found
+
+
+def _kill_leftovers(cwd: Path, grace: float = 0.0) -> list[int]:
+    """SIGKILL what a run left behind (a temporary Prefect server that outlived a killed
+    run) once ``grace`` seconds have not seen it exit; returns their pids."""
+    deadline = time.monotonic() + grace
+    while (found := _marked(cwd)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in found:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return found
 
 
@@ -272,8 +281,9 @@ def test_a_killed_tool_run_resumes_to_the_uninterrupted_weights(tmp_path):
         out = final.wait(timeout=300)
         assert final.proc.returncode == 0, out[-4000:]
     finally:
-        for cwd in (tmp_path / "uninterrupted", tmp_path / "killed"):
-            _kill_leftovers(cwd)
+        leftovers = [p for cwd in (tmp_path / "uninterrupted", tmp_path / "killed")
+                     for p in _kill_leftovers(cwd, grace=3.0)]  # fmt: skip
+    assert not leftovers, f"processes outlived their runs (the kill included): {leftovers}"
     assert rollouts.stat().st_mtime_ns == stamp  # the tool rollouts were not sampled again
     assert re.search(r"rl_1 iteration 2 replayed from", out), out[-4000:]
     killed, straight = tmp_path / "killed/runs/r", tmp_path / "uninterrupted/runs/r"
