@@ -221,7 +221,10 @@ def serve(conn, threads: int, model_section: dict, parent: int | None = None) ->
             reply = _answer(engines, held, request)
         except Exception:
             reply = {"error": traceback.format_exc()}
-        conn.send(reply)
+        try:
+            conn.send(reply)
+        except OSError:  # the parent died while this request ran: nobody to answer
+            break
     engines.close()
 
 
