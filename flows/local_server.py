@@ -13,9 +13,12 @@ profile or the settings context of a test harness) is used as is, and so is Pref
 choice when ephemeral mode is off.
 
 The server dies with the command, however the command ends: it is stopped at exit (after
-Prefect has sent it the flow's last states), and on Linux the kernel sends it SIGTERM when
-the ``grpo`` process dies (``PR_SET_PDEATHSIG``, set by the server process itself before it
-loads uvicorn), SIGKILL included. It runs in its own session, so Ctrl-C in the terminal
+Prefect has sent it the flow's last states), and on Linux the kernel kills it (SIGKILL) when
+the ``grpo`` process dies without stopping it, e.g. by SIGKILL (``PR_SET_PDEATHSIG``, set by
+the server process itself before it loads uvicorn). Not SIGTERM there: with nobody left to
+serve, a graceful shutdown only cancels the event recorder's flush and prints its traceback
+into the terminal, seconds after ``grpo`` is gone; sqlite's own journal keeps its database
+whole under a SIGKILL. It runs in its own session, so Ctrl-C in the terminal
 reaches ``grpo`` only, and the server is still there to record the flow run as crashed.
 """
 
@@ -59,7 +62,7 @@ _FINISHED_TASK_RUNS = json.dumps(
 ).encode()
 
 
-# Runs uvicorn as ``python -m uvicorn`` does, after asking the kernel to SIGTERM this process
+# Runs uvicorn as ``python -m uvicorn`` does, after asking the kernel to SIGKILL this process
 # when its parent dies (prctl(PR_SET_PDEATHSIG); survives exec, set in the child itself
 # rather than in a preexec_fn, which is unsafe once the parent has threads). A parent that
 # died before the prctl call is caught by comparing getppid() with the pid it passed.
@@ -67,7 +70,7 @@ _LAUNCHER = """
 import ctypes, os, signal, sys
 parent = int(sys.argv.pop(1))
 if sys.platform.startswith("linux"):
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 if os.getppid() != parent:
     sys.exit(0)
 sys.argv[0] = "uvicorn"

@@ -150,6 +150,32 @@ def _check_interrupted(run: Run, sig: int, stage: str) -> None:
 
 
 @pytest.mark.slow
+def test_sigkill_in_async_mode_takes_the_server_down_at_once_and_quietly(tmp_path):
+    """SIGKILL while an async run (``rl.async_level=1``) has a rollout and an update in
+    flight: the temporary Prefect server is gone within 2 s, and nothing (no server
+    traceback) is printed after the kill."""
+    overrides = [*OVERRIDES, "rl.async_level=1", "rl.iterations=3", "rl.eval_every=3"]
+    run = Run(tmp_path, "async-sigkill", ["run", *(a for o in overrides for a in ("--set", o))])
+    run.wait_for("demo/rl_1/update-0")
+    url = run.server_url()
+    assert _server_pids(run.pid) and _answers(url)
+    run.proc.send_signal(signal.SIGKILL)
+    assert run.wait() == -signal.SIGKILL
+    said = run.stderr()
+    deadline = time.monotonic() + 2
+    while (_server_pids(run.pid) or _answers(url)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _server_pids(run.pid)
+    assert not alive, f"the temporary Prefect server outlived the kill by 2 s: {alive}"
+    assert not _answers(url), f"{url} still answers 2 s after the kill"
+    time.sleep(3)  # what a dying server or engine process would still print
+    after = run.stderr()[len(said) :]
+    assert not after.strip(), (
+        f"printed after the kill:\n{after[-3000:]}\nbefore it:\n{said[-2000:]}"
+    )
+
+
+@pytest.mark.slow
 def test_kill_term_interrupt_resume_and_a_second_run(tmp_path):
     # 1. SIGKILL in rl_1: the temporary Prefect server dies with the process
     first = Run(tmp_path, "1-sigkill")
