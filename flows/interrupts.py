@@ -114,14 +114,19 @@ _PROJECT = str(Path(__file__).resolve().parents[1])
 
 def where(exc: BaseException) -> str:
     """The step the pipeline was in when ``exc`` stopped it, from the frames of the stage
-    code it passed through: ``rl_1 iteration 3``, ``cold_start_sft``, ``final_evaluation``;
-    ``start-up`` before the first stage."""
+    code it passed through: ``rl_1 iteration 3``, ``cold_start_sft``, ``final_evaluation``
+    (the stage's name alone while Prefect starts its flow); ``start-up`` before the first
+    stage."""
     found = "start-up"
     for frame in _frames(exc):
         if not frame.f_code.co_filename.startswith(_PROJECT):
             continue
         name, local = frame.f_code.co_name, frame.f_locals
-        if name == "_finish" and frame.f_code.co_filename.endswith("r1.py"):
+        if name == "timed" and frame.f_code.co_filename.endswith("r1.py"):
+            # the recipe's step, named before its flow's own code runs (a signal that lands
+            # while Prefect starts the subflow still names the stage), refined by inner frames
+            found = local["name"] if isinstance(local.get("name"), str) else found
+        elif name == "_finish" and frame.f_code.co_filename.endswith("r1.py"):
             found = "model registration"
         elif name == "final_evaluation":
             found = "final_evaluation"
