@@ -1,7 +1,8 @@
 """A seccomp filter for the sandbox's processes. Stdlib only: its text is prepended to
 ``_harness.py`` and ``_candidate.py``, which run as ``python -I -B -c <text>``.
 
-``seccomp_lock(processes)`` installs, for the calling process and everything it starts later:
+``seccomp_lock(processes)`` installs, for the calling process and everything it starts later
+(``seccomp_locker(processes)`` prepares it once for processes forked later):
 
 - no new namespaces of any kind: ``unshare`` and ``setns`` fail (EPERM), and so does a
   ``clone`` with a ``CLONE_NEW*`` flag; ``clone3`` answers ENOSYS (glibc then falls back to
@@ -152,20 +153,33 @@ def seccomp_program(machine, processes):
     return _assemble(lines)
 
 
-def seccomp_lock(processes):
+def seccomp_locker(processes):
+    """A function that installs the filter in the process that calls it: the program built
+    and the libc calls set up now, so that a process forked later (a warm tool call) only
+    makes the two ``prctl`` calls."""
     machine = os.uname().machine
     if machine not in _ARCHES:
         raise OSError(errno.ENOSYS, f"no seccomp filter for {machine}")
     filters = seccomp_program(machine, processes)
     array = (_Filter * len(filters))(*filters)
     prog = _Prog(len(filters), array)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong]
-    libc.prctl.argtypes += [ctypes.c_ulong]
-    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong]
+    prctl.argtypes += [ctypes.c_ulong]
+    where = ctypes.addressof(prog)
+
+    def lock():
+        if prctl(_PR_SET_NO_NEW_PRIVS, 1, None, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+        if prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, where, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP)")
+
+    lock.program = (array, prog)  # alive as long as the function
+    return lock
+
+
+def seccomp_lock(processes):
+    seccomp_locker(processes)()
 
 
 def set_pdeathsig_kill():
