@@ -11,7 +11,7 @@ methods are the stage's training verbs:
 - :meth:`resume`: the train state for the step the stage is at (the live one, the saved one,
   or fresh: ``TrainState.resume``);
 - :meth:`save`: the weights' id hashed in memory and, kept, the checkpoint written (now, or
-  by :attr:`writer` from a CPU copy);
+  by :attr:`writer` from a CPU copy; data-parallel ranks: by rank 0);
 - :meth:`reference`: the reference model (LoRA: the same modules, adapter disabled);
 - :meth:`load` / :meth:`adapted`: from a checkpoint, as the run loads policies.
 
@@ -141,21 +141,32 @@ class Learner:
         out: str | Path,
         *,
         info: dict,
-        trainer_state: dict | None,
-        weights: dict | None = None,
+        parallel=None,
         background: bool = False,
         on_done: Callable[[Path], None] | None = None,
+        fetch: Callable[[Path], None] | None = None,
     ) -> str:
-        """Write the policy (and ``trainer_state``) to ``out``; returns the weights' id.
-        ``background``: written by :attr:`writer` from a CPU copy taken now (a LoRA policy,
-        whose adapter is read from the live model, is written here and now)."""
+        """Write the policy and its train state to ``out``; returns the weights' id, hashed
+        in memory. ``background``: written by :attr:`writer` from a CPU copy taken now (a
+        LoRA policy, whose adapter is read from the live model, is written here and now).
+        ``on_done(out)``: once it is written.
+
+        ``parallel``: this is one of the data-parallel ranks (grpo_core/training/distributed.py),
+        which all call it: the weights and optimizer state are gathered (collectives) and
+        rank 0 writes them, then ``on_done``; every rank returns once the checkpoint exists
+        (``fetch(out)`` first on the others: a rank on another node takes its copy) with the
+        id read from it."""
         from grpo_core.training import lora
         from grpo_core.training.checkpoint import save_checkpoint
+        from grpo_core.training.parallel import LOCAL
         from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 
+        trainer_state, weights = (parallel or LOCAL).checkpoint_state(self.model, self.train)
+        info = {**info, **self.lora_info()}
+        if parallel is not None:
+            return self._save_on_ranks(out, parallel, trainer_state, weights, info, on_done, fetch)
         weights = savable_state_dict(self.model) if weights is None else weights
         pid = state_dict_id(weights)
-        info = {**info, **self.lora_info()}
         if background and not lora.is_peft(self.model):
             self.writer.submit(out, self.model, self.tokenizer, weights=weights,
                                trainer_state=trainer_state, info=info, expected_id=pid,
@@ -166,6 +177,21 @@ class Learner:
         if on_done is not None:
             on_done(Path(out))
         return pid
+
+    def _save_on_ranks(self, out, parallel, trainer_state, weights, info, on_done, fetch) -> str:
+        """:meth:`save` on the data-parallel ranks (``weights``: a sharded model's, gathered
+        to rank 0; None: the model's own)."""
+        from grpo_core.training.checkpoint import policy_id, save_checkpoint
+
+        if parallel.rank == 0:
+            save_checkpoint(self.model, self.tokenizer, out, trainer_state=trainer_state,
+                            info=info, state_dict=weights)  # fmt: skip
+            if on_done is not None:  # the driver, the next iteration's ranks: maybe elsewhere
+                on_done(Path(out))
+        parallel.barrier()  # the checkpoint exists when any rank returns
+        if parallel.rank != 0 and fetch is not None:
+            fetch(Path(out))
+        return policy_id(out)
 
     def offload_optimizer(self) -> None:
         """Move the optimizer state to CPU memory (room for an engine's KV cache); the next
