@@ -53,6 +53,23 @@ class UpdateRequest:
         del body["out_checkpoint"]
         return {**body, "rl": self.rl.model_dump(), "iteration": iteration, "ref_path": ref_path}
 
+    @property
+    def init_policy(self) -> str:
+        """The stage's first policy: ``init_checkpoint``, else the reference checkpoint, else
+        the policy (the optimizer's identity; with ``model.lora``, the adapter's base)."""
+        return self.init_checkpoint or self.reference_checkpoint or self.policy_path
+
+    def optimization(self, *, sharded: bool = False):
+        """The stage's optimizer at ``global_step`` (grpo_core/training/train_state.py:
+        ``RLOptimization``; ``sharded``: its state keyed as FSDP2 ranks save it)."""
+        from grpo_core.training.checkpoint import policy_id
+        from grpo_core.training.train_state import RLOptimization
+
+        init_policy_id = policy_id(self.init_policy)
+        return RLOptimization.of(self.rl, stage=self.stage, init_policy_id=init_policy_id,
+                                 global_step=self.global_step, total_steps=self.total_steps,
+                                 sharded=sharded)  # fmt: skip
+
     @classmethod
     def replaying(cls, record: dict) -> UpdateRequest:
         """The request a policy record's ``update`` keeps, writing where the record is."""
@@ -72,8 +89,8 @@ def update_from_file(
     """GRPO steps on the request's ``scored_path`` from its ``policy_path``, saved to
     ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the
     next iteration of the stage continues from. The learner (tasks/policies/lineage.py:
-    ``learner_at``, which resolves the policy's lineage) trains and keeps the new weights
-    (grpo_core/algorithm/learner.py: ``Learner.save``).
+    ``learner_for``, which resolves the policy's lineage and resumes the stage's optimizer)
+    trains and keeps the new weights (grpo_core/algorithm/learner.py: ``Learner.save``).
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
     stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
@@ -89,23 +106,19 @@ def update_from_file(
     rank 0 alone writes the checkpoint, which every rank returns once it exists.
     """
     from grpo_core.algorithm.scored_batch import ScoredRows
-    from grpo_core.training.parallel import LOCAL
 
     r, rl = request, request.rl
-    pull(r.scored_path)
-    rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
-    init = r.init_checkpoint or r.reference_checkpoint or r.policy_path
     # a trainer rank on another node: the inputs this update reads that its node lacks
     pull(
+        r.scored_path,
         r.policy_path,
         r.reference_checkpoint if rl.beta > 0 else None,
-        init if loading.options().lora is not None else None,  # the LoRA adapter's base
+        r.init_policy if loading.options().lora is not None else None,  # the LoRA adapter's base
     )
-    learner = lineage.learner_at(r.policy_path, lora_base=init)
-    dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/training/parallel.py)
-    if dp.prepare_model(learner.model, lora=bool(learner.lora_info())):
-        learner.train = None  # an optimizer built on the unsharded parameters
-    _resume(learner, r, dp, init=init)
+    rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
+    sharded = data_parallel is not None and data_parallel.sharded
+    learner = lineage.learner_for(r.policy_path, r.optimization(sharded=sharded), seed=r.seed,
+                                  lora_base=r.init_policy, parallel=data_parallel)  # fmt: skip
     reference = functools.partial(lineage.reference, learner, r.reference_checkpoint)
     out = learner.update(
         rows,
@@ -113,7 +126,7 @@ def update_from_file(
         quantized=loading.options().load_in_4bit,
         reference=reference if rl.beta > 0 else None,
         on_step=on_step,
-        parallel=dp,
+        parallel=data_parallel,
         logger=logger(__name__),
     )
     _say_once(f"engine importance-sampling correction {out.engine_correction[1]}")
@@ -139,27 +152,6 @@ def _say_once(message: str) -> None:
     if message not in _SAID:
         _SAID.add(message)
         logger(__name__).info(message)
-
-
-def _resume(learner, r: UpdateRequest, dp, *, init: str) -> None:
-    """The stage's optimizer, schedule and RNG states at ``global_step``: the learner's when
-    it is the state saved at this step, else the saved one, else fresh
-    (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
-    from grpo_core.training.checkpoint import policy_id
-    from grpo_core.training.train_state import RLOptimization
-
-    optimization = RLOptimization.of(
-        r.rl,
-        stage=r.stage,
-        init_policy_id=policy_id(init),
-        global_step=r.global_step,
-        total_steps=r.total_steps,
-        sharded=dp.sharded,
-    )
-    # where a saved state would be: the checkpoint, or the record's kept one
-    saved = policy_ref.saved_at(learner.checkpoint) or learner.checkpoint
-    learner.resume(optimization, saved, global_step=r.global_step, seed=r.seed,
-                   load_optimizer=dp.load_full_optimizer_state, logger=logger(__name__))  # fmt: skip
 
 
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateOutcome:

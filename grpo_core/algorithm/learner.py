@@ -8,8 +8,8 @@ methods are the stage's training verbs:
 
 - :meth:`update`: GRPO steps on scored rows (grpo_core/algorithm/iteration.py: ``update``),
   the train state advanced in place;
-- :meth:`resume`: the train state for the step the stage is at (the live one, the saved one,
-  or fresh: ``TrainState.resume``);
+- :meth:`resume`: the model ready to train (one process, or a rank of N) and the train state
+  for the step the stage is at (the live one, the saved one, or fresh: ``TrainState.resume``);
 - :meth:`save`: the weights' id hashed in memory and, kept, the checkpoint written (now, or
   by :attr:`writer` from a CPU copy; data-parallel ranks: by rank 0);
 - :meth:`reference`: the reference model (LoRA: the same modules, adapter disabled);
@@ -83,15 +83,21 @@ class Learner:
             return lora.reference_of(self.model)
         return load_reference()
 
-    def resume(self, optimization, saved: Path | None, *, global_step: int, seed: int,
-               load_optimizer=None, logger=None):  # fmt: skip
-        """The train state at ``global_step`` of the stage ``optimization`` (an
-        ``RLOptimization``) names: the live one when it is that, else the one saved at
-        ``saved``, else fresh (``TrainState.resume``). A live state moved to CPU memory while
-        an engine generated comes back first."""
+    def resume(self, optimization, saved: Path | None, *, seed: int, parallel=None,
+               logger=None):  # fmt: skip
+        """The model made ready to train under ``parallel`` (this rank of N,
+        grpo_core/training/parallel.py; default one process), then the train state at the step
+        of the stage ``optimization`` (an ``RLOptimization``) names: the live one when it is
+        that, else the one saved at ``saved``, else fresh (``TrainState.resume``). A live
+        state moved to CPU memory while an engine generated comes back first; one built on
+        parameters the strategy replaced (an FSDP2 wrap) is dropped."""
         from grpo_core.training import offload
+        from grpo_core.training.parallel import LOCAL
         from grpo_core.training.train_state import TrainState
 
+        parallel = parallel or LOCAL
+        if parallel.prepare_model(self.model, lora=bool(self.lora_info())):
+            self.train = None  # an optimizer built on the unsharded parameters
         live, self.train = self.train, None  # a failed build leaves no state of the wrong step
         if live is not None:
             offload.restore(live.optimizer)
@@ -100,10 +106,10 @@ class Learner:
             saved,
             live,
             key=optimization.key,
-            global_step=global_step,
+            global_step=optimization.global_step,
             build=optimization.build,
             seed=seed,
-            load_optimizer=load_optimizer,
+            load_optimizer=parallel.load_full_optimizer_state,
             logger=logger,
         )
         return self.train

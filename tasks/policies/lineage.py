@@ -11,7 +11,8 @@ train (grpo_core/algorithm/learner.py) and models loaded read-only. Two ways in:
 - :func:`learner_at`: the learner holding a policy's weights, ready to train (the update and
   SFT tasks). This is where lineage is resolved: the learner when it holds them, else the
   nearest kept state loaded and the recorded updates replayed forward from it (on CPU, where
-  the update is deterministic, bit for bit; the record's ``policy_id`` is checked).
+  the update is deterministic, bit for bit; the record's ``policy_id`` is checked). An
+  update takes it through :func:`learner_for`, which also resumes the stage's optimizer.
 
 A stage calls :func:`resolve` before a task samples a policy that may be in neither place
 (flows/rl.py: a rerun whose cached updates left an iteration's weights unkept), so that
@@ -147,6 +148,19 @@ def learner_at(path: str | Path, *, lora_base: str | Path | None = None):
             "rl.save_total_limit), or rerun the stage with --force"
         )
     return _learner(path, base)
+
+
+def learner_for(path: str | Path, optimization, *, seed: int, lora_base: str | Path | None = None,
+                parallel=None):  # fmt: skip
+    """:func:`learner_at` ``path``, ready to train under ``parallel`` (this rank of N; default
+    one process) with the train state of ``optimization`` (an ``RLOptimization``: the stage's
+    optimizer at its step): the learner's when it is that state, else the one saved with
+    ``path``'s weights (the checkpoint, or the record's kept one), else fresh
+    (grpo_core/algorithm/learner.py: ``Learner.resume``)."""
+    learner = learner_at(path, lora_base=lora_base)
+    saved = policy_ref.saved_at(path) or Path(path)  # where a saved state would be
+    learner.resume(optimization, saved, seed=seed, parallel=parallel, logger=logger(__name__))
+    return learner
 
 
 def _learner(path: Path, base: Path | None):
