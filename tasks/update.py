@@ -17,7 +17,6 @@ from prefect.cache_policies import NO_CACHE
 from cluster import process, storage
 from grpo_core.config.rl import update_unkeyed
 from grpo_core.config.stages import RLConfig
-from grpo_core.training.checkpoint import save_checkpoint
 from tasks.cache import cached, stage_key
 from tasks.policies import lineage, loading
 from tasks.policies import ref as policy_ref
@@ -54,6 +53,23 @@ class UpdateRequest:
         del body["out_checkpoint"]
         return {**body, "rl": self.rl.model_dump(), "iteration": iteration, "ref_path": ref_path}
 
+    @property
+    def init_policy(self) -> str:
+        """The stage's first policy: ``init_checkpoint``, else the reference checkpoint, else
+        the policy (the optimizer's identity; with ``model.lora``, the adapter's base)."""
+        return self.init_checkpoint or self.reference_checkpoint or self.policy_path
+
+    def optimization(self, *, sharded: bool = False):
+        """The stage's optimizer at ``global_step`` (grpo_core/training/train_state.py:
+        ``RLOptimization``; ``sharded``: its state keyed as FSDP2 ranks save it)."""
+        from grpo_core.training.checkpoint import policy_id
+        from grpo_core.training.train_state import RLOptimization
+
+        init_policy_id = policy_id(self.init_policy)
+        return RLOptimization.of(self.rl, stage=self.stage, init_policy_id=init_policy_id,
+                                 global_step=self.global_step, total_steps=self.total_steps,
+                                 sharded=sharded)  # fmt: skip
+
     @classmethod
     def replaying(cls, record: dict) -> UpdateRequest:
         """The request a policy record's ``update`` keeps, writing where the record is."""
@@ -73,12 +89,13 @@ def update_from_file(
     """GRPO steps on the request's ``scored_path`` from its ``policy_path``, saved to
     ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the
     next iteration of the stage continues from. The learner (tasks/policies/lineage.py:
-    ``learner_at``, which resolves the policy's lineage) trains and keeps the new weights.
+    ``learner_for``, which resolves the policy's lineage and resumes the stage's optimizer)
+    trains and keeps the new weights (grpo_core/algorithm/learner.py: ``Learner.save``).
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
     stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
     process's checkpoint is written by the learner's writer (the stage drains it);
-    data-parallel ranks write every update's, synchronously (:func:`_save`).
+    data-parallel ranks write every update's, synchronously.
 
     ``stage`` and ``init_checkpoint`` (the stage's first policy; default the reference
     checkpoint, else the policy) name the stage the optimizer belongs to: at ``global_step``
@@ -86,26 +103,22 @@ def update_from_file(
 
     ``data_parallel`` (a ``grpo_core.training.distributed.DataParallel``): this is one rank of N that
     run the same call (``flows/ddp_update.py``); the update is the one-process update and
-    rank 0 alone writes the checkpoint.
+    rank 0 alone writes the checkpoint, which every rank returns once it exists.
     """
     from grpo_core.algorithm.scored_batch import ScoredRows
-    from grpo_core.training.parallel import LOCAL
 
     r, rl = request, request.rl
-    pull(r.scored_path)
-    rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
-    init = r.init_checkpoint or r.reference_checkpoint or r.policy_path
     # a trainer rank on another node: the inputs this update reads that its node lacks
     pull(
+        r.scored_path,
         r.policy_path,
         r.reference_checkpoint if rl.beta > 0 else None,
-        init if loading.options().lora is not None else None,  # the LoRA adapter's base
+        r.init_policy if loading.options().lora is not None else None,  # the LoRA adapter's base
     )
-    learner = lineage.learner_at(r.policy_path, lora_base=init)
-    dp = data_parallel or LOCAL  # one process, or this rank of N (grpo_core/training/parallel.py)
-    if dp.prepare_model(learner.model, lora=bool(learner.lora_info())):
-        learner.train = None  # an optimizer built on the unsharded parameters
-    _resume(learner, r, dp, init=init)
+    rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
+    sharded = data_parallel is not None and data_parallel.sharded
+    learner = lineage.learner_for(r.policy_path, r.optimization(sharded=sharded), seed=r.seed,
+                                  lora_base=r.init_policy, parallel=data_parallel)  # fmt: skip
     reference = functools.partial(lineage.reference, learner, r.reference_checkpoint)
     out = learner.update(
         rows,
@@ -113,18 +126,21 @@ def update_from_file(
         quantized=loading.options().load_in_4bit,
         reference=reference if rl.beta > 0 else None,
         on_step=on_step,
-        parallel=dp,
+        parallel=data_parallel,
         logger=logger(__name__),
     )
     _say_once(f"engine importance-sampling correction {out.engine_correction[1]}")
     logger(__name__).debug("%s: old log-probs: %s (%s)", r.scored_path, *out.old_logprobs)
     info = {"scored": r.scored_path, "global_step": out.global_step}
-    on_ranks = data_parallel is not None
-    pid = _save(learner, r.out_checkpoint, info, dp, on_ranks=on_ranks, keep=keep or on_ranks,
-                background=background)  # fmt: skip
+    kept = keep or data_parallel is not None  # data-parallel ranks write every update's
+    if kept:
+        pid = learner.save(r.out_checkpoint, info=info, parallel=data_parallel,
+                           background=background, on_done=storage.publish, fetch=pull)  # fmt: skip
+    else:
+        pid = learner.weights_id()  # hashed in memory, nothing written
     learner.trained(r.out_checkpoint, pid)
     return UpdateOutcome(r.out_checkpoint, out.global_step, out.history, out.seconds,
-                        out.peak_memory_gib, policy_id=pid, kept=keep or on_ranks)  # fmt: skip
+                        out.peak_memory_gib, policy_id=pid, kept=kept)  # fmt: skip
 
 
 _SAID: set[str] = set()
@@ -136,60 +152,6 @@ def _say_once(message: str) -> None:
     if message not in _SAID:
         _SAID.add(message)
         logger(__name__).info(message)
-
-
-def _resume(learner, r: UpdateRequest, dp, *, init: str) -> None:
-    """The stage's optimizer, schedule and RNG states at ``global_step``: the learner's when
-    it is the state saved at this step, else the saved one, else fresh
-    (grpo_core/training/train_state.py: TrainState.resume, RLOptimization)."""
-    from grpo_core.training.checkpoint import policy_id
-    from grpo_core.training.train_state import RLOptimization
-
-    optimization = RLOptimization.of(
-        r.rl,
-        stage=r.stage,
-        init_policy_id=policy_id(init),
-        global_step=r.global_step,
-        total_steps=r.total_steps,
-        sharded=dp.sharded,
-    )
-    # where a saved state would be: the checkpoint, or the record's kept one
-    saved = policy_ref.saved_at(learner.checkpoint) or learner.checkpoint
-    learner.resume(optimization, saved, global_step=r.global_step, seed=r.seed,
-                   load_optimizer=dp.load_full_optimizer_state, logger=logger(__name__))  # fmt: skip
-
-
-def _save(
-    learner, out_checkpoint: str, info: dict, dp, *, on_ranks: bool, keep: bool, background: bool
-) -> str:
-    """The new weights' ``policy_id``, hashed in memory; with ``keep``, the policy and its
-    trainer state written to ``out_checkpoint``. ``on_ranks``: a sharded model's weights and
-    optimizer gathered on every rank (collectives), written by rank 0 and shared through the
-    store; every rank returns once it exists and takes the id from it. One process with
-    ``background``: written by the learner's writer from a CPU copy."""
-    from grpo_core.training.checkpoint import policy_id
-
-    if not keep:
-        return learner.weights_id()
-    state, weights = dp.checkpoint_state(learner.model, learner.train)
-    if not on_ranks:
-        return learner.save(out_checkpoint, info=info, trainer_state=state, weights=weights,
-                            background=background, on_done=storage.publish)  # fmt: skip
-    if dp.rank == 0:
-        save_checkpoint(
-            learner.model,
-            learner.tokenizer,
-            out_checkpoint,
-            trainer_state=state,
-            info={**info, **learner.lora_info()},
-            state_dict=weights,
-        )
-        # the driver (and the next iteration's ranks) may be on another node
-        storage.publish(out_checkpoint)
-    dp.barrier()  # the checkpoint exists when any rank returns
-    if dp.rank != 0:  # on another node than rank 0's: its copy, from the shared store
-        pull(out_checkpoint)
-    return policy_id(out_checkpoint)
 
 
 def update_on_rank(data_parallel, model_options, **kwargs) -> UpdateOutcome:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from math import comb
 
 from grpo_core import rewards
-from grpo_core.algorithm import iteration
+from grpo_core.algorithm import sampling
 from grpo_core.contracts.text import decode_completion, model_text, row_prompt_text
 from grpo_core.engines.context import model_context
 from grpo_core.engines.generation import SamplingParams
@@ -189,7 +189,7 @@ def evaluate(
     """``num_samples`` completions per row (greedy for 1, unless ``temperature`` is given;
     ``temperature`` defaults to 1.0 for more), scored for accuracy and format.
 
-    They are sampled as the rollouts are (grpo_core/algorithm/iteration.py:
+    They are sampled as the rollouts are (grpo_core/algorithm/sampling.py:
     ``sample_episodes``): ``request`` is the ``SampleRequest`` naming the engine and its
     options (its params are this evaluation's), ``tools`` adds an environment to it (each
     episode starts from its row); ``engine``, a ``grpo_core.engines`` rollout engine holding
@@ -210,8 +210,8 @@ def evaluate(
         context = _context(model, engine)
     if engine is None and run is None:
         engine = HFEngine(model, tokenizer, batch_size=batch_size)
-    _, samples = iteration.sample_episodes(engine, tokenizer, rows, request, tools=tools, run=run,
-                                           context=context, field="eval.max_completion_length")  # fmt: skip
+    _, samples = sampling.sample_episodes(engine, tokenizer, rows, request, tools=tools, run=run,
+                                          context=context, field="eval.max_completion_length")  # fmt: skip
     # samples are prompt-major: row i's k samples are samples[i*k : (i+1)*k]
     flat_rows = [r for r in rows for _ in range(k)]
     completions = [decode_completion(tokenizer, s.completion_ids) for s in samples]

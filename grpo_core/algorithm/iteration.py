@@ -21,10 +21,11 @@ The pipeline's stage tasks (tasks/rollout.py, tasks/score.py, tasks/update.py) w
 same calls with the stage cache, the Parquet files and the executor (where the engine, the
 reward functions and the update run); they hold no algorithm of their own. The held-out
 evaluation (grpo_core/algorithm/evaluation.py) samples through step 1 too
-(:func:`sample_episodes`, the samples before they are a table). The pieces:
-the turn loop (grpo_core/engines/turns.py), the reward functions (grpo_core/rewards/), the advantage
-estimators (grpo_core/algorithm/advantages.py), the old log-probs' source (grpo_core/logprobs/old.py),
-the objective (grpo_core/algorithm/losses.py) and the optimizer steps (grpo_core/algorithm/update.py).
+(:func:`sample_episodes`, the samples before they are a table). The pieces: step 1 itself
+(grpo_core/algorithm/sampling.py) and its turn loop (grpo_core/engines/turns.py), the reward
+functions (grpo_core/rewards/), the advantage estimators (grpo_core/algorithm/advantages.py),
+the old log-probs' source (grpo_core/logprobs/old.py), the objective
+(grpo_core/algorithm/losses.py) and the optimizer steps (grpo_core/algorithm/update.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from grpo_core.algorithm.sampling import sample as sample  # 1. sample
+from grpo_core.algorithm.sampling import sample_episodes as sample_episodes
 from grpo_core.errors import UserError
 
 if TYPE_CHECKING:
@@ -46,7 +49,6 @@ if TYPE_CHECKING:
     from grpo_core.algorithm.scored_batch import ScoredRows
     from grpo_core.config.settings import Scoring
     from grpo_core.config.stages import RLConfig
-    from grpo_core.engines.generation import Sample
     from grpo_core.rewards.scoring import ScoreRequest, ScoreResult
     from grpo_core.training.parallel import LocalParallel
     from grpo_core.training.train_state import TrainState
@@ -56,78 +58,7 @@ OVERLONG = "overlong_penalty"  # the reward column of DAPO's soft overlong penal
 
 
 # 1. sample ------------------------------------------------------------------------------
-
-
-def sample(
-    engine,
-    tokenizer,
-    rows: list[dict],
-    request,
-    *,
-    policy_id: str,
-    iteration: int = 0,
-    desc: str = "rollout",
-    progress: bool = True,
-    tools=None,
-    run=None,
-    context: int | None = None,
-    metadata: dict | None = None,
-) -> pa.Table:
-    """``n`` completions of each row's ``prompt`` through the turn loop, as a table of the
-    rollout contract (grpo_core/contracts/rollouts.py).
-
-    ``request``: a ``SampleRequest`` (grpo_core/engines/turns.py: params, engine options,
-    environment), or just its ``SamplingParams``; ``tools`` (a ``ToolSpec`` or its fields,
-    ``RolloutConfig.tool_spec()``) adds an environment to it. With an environment, each
-    episode starts from its row, as the pipeline's rollouts sample them. ``run(prompt_ids,
-    request)`` samples where the pipeline's executor does (its engine process or the Ray
-    replicas: tasks/rollout.py); by default ``engine`` runs it here. ``context``: the
-    model's positions (prompts that cannot fit ``max_new_tokens`` more are refused, by
-    row; an episode whose environment's reset() extends its prompt past them is an error on
-    that episode: grpo_core/engines/openings.py); ``metadata``: the rollout file's. The
-    samples themselves: :func:`sample_episodes`."""
-    from grpo_core.contracts.rollouts import rollout_table
-
-    prompt_ids, samples = sample_episodes(engine, tokenizer, rows, request, desc=desc,
-                                          progress=progress, tools=tools, run=run,
-                                          context=context)  # fmt: skip
-    return rollout_table(rows, prompt_ids, samples, tokenizer, policy_id=policy_id,
-                         iteration=iteration, metadata=metadata)  # fmt: skip
-
-
-def sample_episodes(
-    engine,
-    tokenizer,
-    rows: list[dict],
-    request,
-    *,
-    desc: str = "rollout",
-    progress: bool = True,
-    tools=None,
-    run=None,
-    context: int | None = None,
-    field: str = "max_completion_length",
-) -> tuple[list[list[int]], list[Sample]]:
-    """Each row's prompt ids and its ``n`` samples (prompt-major: row i's are
-    ``samples[i*n : (i+1)*n]``), the arguments as :func:`sample`'s; ``field``: the setting
-    a prompt-length error names. The one sampling call: the rollouts (:func:`sample`) and
-    the held-out evaluation (grpo_core/algorithm/evaluation.py) both sample through it."""
-    from grpo_core.contracts.text import row_prompt_ids
-    from grpo_core.engines.context import check_prompt_lengths
-    from grpo_core.engines.turns import SampleRequest
-
-    if not isinstance(request, SampleRequest):
-        request = SampleRequest(request, desc=desc)
-    if tools is not None:
-        request = dataclasses.replace(request, tools=tools)
-    if request.tools is not None:  # the environment starts each episode from its data row
-        request = dataclasses.replace(request, rows=tuple(rows), context=context)
-    prompt_ids = [row_prompt_ids(tokenizer, r) for r in rows]
-    check_prompt_lengths(prompt_ids, context=context, max_new_tokens=request.params.max_new_tokens,
-                         field=field, source=request.desc)  # fmt: skip
-    if run is not None:
-        return prompt_ids, run(prompt_ids, request)
-    return prompt_ids, request.run(engine, prompt_ids, progress=progress)
+# sample, sample_episodes: grpo_core/algorithm/sampling.py (imported above)
 
 
 # 2. score -------------------------------------------------------------------------------

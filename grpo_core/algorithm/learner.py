@@ -8,10 +8,10 @@ methods are the stage's training verbs:
 
 - :meth:`update`: GRPO steps on scored rows (grpo_core/algorithm/iteration.py: ``update``),
   the train state advanced in place;
-- :meth:`resume`: the train state for the step the stage is at (the live one, the saved one,
-  or fresh: ``TrainState.resume``);
+- :meth:`resume`: the model ready to train (one process, or a rank of N) and the train state
+  for the step the stage is at (the live one, the saved one, or fresh: ``TrainState.resume``);
 - :meth:`save`: the weights' id hashed in memory and, kept, the checkpoint written (now, or
-  by :attr:`writer` from a CPU copy);
+  by :attr:`writer` from a CPU copy; data-parallel ranks: by rank 0);
 - :meth:`reference`: the reference model (LoRA: the same modules, adapter disabled);
 - :meth:`load` / :meth:`adapted`: from a checkpoint, as the run loads policies.
 
@@ -83,15 +83,21 @@ class Learner:
             return lora.reference_of(self.model)
         return load_reference()
 
-    def resume(self, optimization, saved: Path | None, *, global_step: int, seed: int,
-               load_optimizer=None, logger=None):  # fmt: skip
-        """The train state at ``global_step`` of the stage ``optimization`` (an
-        ``RLOptimization``) names: the live one when it is that, else the one saved at
-        ``saved``, else fresh (``TrainState.resume``). A live state moved to CPU memory while
-        an engine generated comes back first."""
+    def resume(self, optimization, saved: Path | None, *, seed: int, parallel=None,
+               logger=None):  # fmt: skip
+        """The model made ready to train under ``parallel`` (this rank of N,
+        grpo_core/training/parallel.py; default one process), then the train state at the step
+        of the stage ``optimization`` (an ``RLOptimization``) names: the live one when it is
+        that, else the one saved at ``saved``, else fresh (``TrainState.resume``). A live
+        state moved to CPU memory while an engine generated comes back first; one built on
+        parameters the strategy replaced (an FSDP2 wrap) is dropped."""
         from grpo_core.training import offload
+        from grpo_core.training.parallel import LOCAL
         from grpo_core.training.train_state import TrainState
 
+        parallel = parallel or LOCAL
+        if parallel.prepare_model(self.model, lora=bool(self.lora_info())):
+            self.train = None  # an optimizer built on the unsharded parameters
         live, self.train = self.train, None  # a failed build leaves no state of the wrong step
         if live is not None:
             offload.restore(live.optimizer)
@@ -100,10 +106,10 @@ class Learner:
             saved,
             live,
             key=optimization.key,
-            global_step=global_step,
+            global_step=optimization.global_step,
             build=optimization.build,
             seed=seed,
-            load_optimizer=load_optimizer,
+            load_optimizer=parallel.load_full_optimizer_state,
             logger=logger,
         )
         return self.train
@@ -141,21 +147,32 @@ class Learner:
         out: str | Path,
         *,
         info: dict,
-        trainer_state: dict | None,
-        weights: dict | None = None,
+        parallel=None,
         background: bool = False,
         on_done: Callable[[Path], None] | None = None,
+        fetch: Callable[[Path], None] | None = None,
     ) -> str:
-        """Write the policy (and ``trainer_state``) to ``out``; returns the weights' id.
-        ``background``: written by :attr:`writer` from a CPU copy taken now (a LoRA policy,
-        whose adapter is read from the live model, is written here and now)."""
+        """Write the policy and its train state to ``out``; returns the weights' id, hashed
+        in memory. ``background``: written by :attr:`writer` from a CPU copy taken now (a
+        LoRA policy, whose adapter is read from the live model, is written here and now).
+        ``on_done(out)``: once it is written.
+
+        ``parallel``: this is one of the data-parallel ranks (grpo_core/training/distributed.py),
+        which all call it: the weights and optimizer state are gathered (collectives) and
+        rank 0 writes them, then ``on_done``; every rank returns once the checkpoint exists
+        (``fetch(out)`` first on the others: a rank on another node takes its copy) with the
+        id read from it."""
         from grpo_core.training import lora
         from grpo_core.training.checkpoint import save_checkpoint
+        from grpo_core.training.parallel import LOCAL
         from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 
+        trainer_state, weights = (parallel or LOCAL).checkpoint_state(self.model, self.train)
+        info = {**info, **self.lora_info()}
+        if parallel is not None:
+            return self._save_on_ranks(out, parallel, trainer_state, weights, info, on_done, fetch)
         weights = savable_state_dict(self.model) if weights is None else weights
         pid = state_dict_id(weights)
-        info = {**info, **self.lora_info()}
         if background and not lora.is_peft(self.model):
             self.writer.submit(out, self.model, self.tokenizer, weights=weights,
                                trainer_state=trainer_state, info=info, expected_id=pid,
@@ -166,6 +183,21 @@ class Learner:
         if on_done is not None:
             on_done(Path(out))
         return pid
+
+    def _save_on_ranks(self, out, parallel, trainer_state, weights, info, on_done, fetch) -> str:
+        """:meth:`save` on the data-parallel ranks (``weights``: a sharded model's, gathered
+        to rank 0; None: the model's own)."""
+        from grpo_core.training.checkpoint import policy_id, save_checkpoint
+
+        if parallel.rank == 0:
+            save_checkpoint(self.model, self.tokenizer, out, trainer_state=trainer_state,
+                            info=info, state_dict=weights)  # fmt: skip
+            if on_done is not None:  # the driver, the next iteration's ranks: maybe elsewhere
+                on_done(Path(out))
+        parallel.barrier()  # the checkpoint exists when any rank returns
+        if parallel.rank != 0 and fetch is not None:
+            fetch(Path(out))
+        return policy_id(out)
 
     def offload_optimizer(self) -> None:
         """Move the optimizer state to CPU memory (room for an engine's KV cache); the next

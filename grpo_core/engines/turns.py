@@ -4,7 +4,7 @@ request every sampling path hands down.
 :class:`SampleRequest` says what to sample (the ``SamplingParams``) and with what (the
 engine's name and options, how the sampling copy of the policy loads, whether to probe the
 weight sync, the progress bar's label, the environment: ``tools``). The rollout task and the
-held-out evaluation build it once (grpo_core/algorithm/iteration.py: ``sample_episodes`` is the
+held-out evaluation build it once (grpo_core/algorithm/sampling.py: ``sample_episodes`` is the
 call both make); the executor (cluster/executor.py), the local engine process
 (cluster/engine_process.py) and the Ray rollout replicas (cluster/rollout_workers.py,
 cluster/replica.py) pass it on unchanged, and whichever process holds the engine calls

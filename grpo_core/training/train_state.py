@@ -104,12 +104,14 @@ class TrainState:
 
 @dataclass
 class RLOptimization:
-    """An RL stage's optimizer and schedule: ``key`` says what a saved state belongs to (it
-    is reused only under the same key), :meth:`build` makes a fresh one."""
+    """An RL stage's optimizer and schedule at ``global_step``: ``key`` says what a saved
+    state belongs to (it is reused only under the same key), :meth:`build` makes a fresh
+    one."""
 
     rl: RLConfig
     key: dict
     total_steps: int
+    global_step: int = 0
 
     @classmethod
     def of(
@@ -140,7 +142,7 @@ class RLOptimization:
             # a sharded optimizer's saved state is keyed by parameter name, a replica's by index
             **({"strategy": "fsdp"} if sharded else {}),
         }
-        return cls(rl, key, total)
+        return cls(rl, key, total, global_step)
 
     def build(self, model):
         """A fresh ``(optimizer, scheduler)`` over ``model`` at step 0."""

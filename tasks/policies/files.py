@@ -37,9 +37,9 @@ class PolicyFiles:
 def files(checkpoint: str | Path):
     """``checkpoint``'s :class:`PolicyFiles`, or a handle on the weights in memory
     (``lineage.handle``) when this process's learner holds them or they are on no disk."""
-    checkpoint = Path(checkpoint)
-    pid = policy_ref.policy_id(checkpoint)
-    weights = policy_ref.saved_at(checkpoint)  # the folder itself, or a record's kept one
+    at = policy_ref.locate(checkpoint)
+    pid = at.policy_id
+    weights = at.saved()  # the folder itself, or a record's kept one
     on_disk = weights is not None and (Path(weights) / "config.json").exists()
     if lineage.holding(pid) is not None or not on_disk:
         return lineage.handle(checkpoint)

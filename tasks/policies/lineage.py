@@ -11,7 +11,8 @@ train (grpo_core/algorithm/learner.py) and models loaded read-only. Two ways in:
 - :func:`learner_at`: the learner holding a policy's weights, ready to train (the update and
   SFT tasks). This is where lineage is resolved: the learner when it holds them, else the
   nearest kept state loaded and the recorded updates replayed forward from it (on CPU, where
-  the update is deterministic, bit for bit; the record's ``policy_id`` is checked).
+  the update is deterministic, bit for bit; the record's ``policy_id`` is checked). An
+  update takes it through :func:`learner_for`, which also resumes the stage's optimizer.
 
 A stage calls :func:`resolve` before a task samples a policy that may be in neither place
 (flows/rl.py: a rerun whose cached updates left an iteration's weights unkept), so that
@@ -73,8 +74,8 @@ def held():
 def handle(path: str | Path, slot: str = "policy") -> Handle:
     """``path``'s policy to sample or read (``slot``: ``"policy"``, or ``"reference"`` for an
     update's reference model, loaded beside the policy)."""
-    path = Path(path)
-    pid = policy_ref.policy_id(path)
+    at = policy_ref.locate(path)
+    path, pid = at.path, at.policy_id
     policies = held()
     with policies.lock:
         learner = policies.learner
@@ -84,18 +85,19 @@ def handle(path: str | Path, slot: str = "policy") -> Handle:
         if got is not None and got.policy_id == pid:
             policies.stats["hits"] += 1
             return Handle(path, pid, got.model, got.tokenizer)
-        got = _load(path, pid, slot, policies)
+        got = _load(at, slot, policies)
         policies.loaded[slot] = got
         return Handle(path, pid, got.model, got.tokenizer)
 
 
-def _load(path: Path, pid: str, slot: str, policies, lora_base: Path | None = None):
-    """``path``'s weights from disk as a fresh learner (with an adapter on ``lora_base``)."""
+def _load(at: policy_ref.Located, slot: str, policies, lora_base: Path | None = None):
+    """``at``'s weights from disk as a fresh learner (with an adapter on ``lora_base``)."""
     from grpo_core.algorithm.learner import Learner, with_adapter
 
+    path, pid = at.path, at.policy_id
     weights = path
-    if policy_ref.is_ref(path):
-        ref = policy_ref.read_ref(path)
+    if at.record is not None:
+        ref = at.record
         if ref.checkpoint and is_pending(ref.checkpoint):
             policies.learner.drain()  # its background write: finished before it is read
         weights = ref.kept()
@@ -124,33 +126,46 @@ def learner_at(path: str | Path, *, lora_base: str | Path | None = None):
     """The learner, holding ``path``'s weights (a checkpoint folder or an iteration's
     record), to train: in memory, else loaded, else replayed from the nearest kept state.
     ``lora_base`` (training with ``model.lora``): the checkpoint its adapter sits on."""
-    path = Path(path)
+    at = policy_ref.locate(path)
     base = Path(lora_base) if lora_base is not None and loading.options().lora else None
     try:
-        return _learner(path, base)
+        return _learner(at, base)
     except NotInMemory as e:
         gone = e  # (the except clause's name is cleared when it ends)
     ref = gone.ref
     logger(__name__).info(
         "%s: policy %s is not in memory and has no kept checkpoint (%s): replaying the "
         "update of iteration %s from %s",
-        path.parent.name, ref.policy_id, gone.why, ref.update.get("iteration"), ref.parent,
+        at.path.parent.name, ref.policy_id, gone.why, ref.update.get("iteration"), ref.parent,
     )  # fmt: skip
     got = _replay(ref)
     held().stats["replays"] += 1
     if got != ref.policy_id:
         raise UserError(
-            f"{path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
+            f"{at.path}: replaying iteration {ref.update.get('iteration')}'s update gave policy "
             f"{got}, but the run recorded {ref.policy_id}: the update is not deterministic "
             "here (GPU kernels, data-parallel ranks) or its inputs changed. Keep the train "
             "states such reruns start from (rl.save_steps: 1 and a larger "
             "rl.save_total_limit), or rerun the stage with --force"
         )
-    return _learner(path, base)
+    return _learner(at, base)
 
 
-def _learner(path: Path, base: Path | None):
-    pid = policy_ref.policy_id(path)
+def learner_for(path: str | Path, optimization, *, seed: int, lora_base: str | Path | None = None,
+                parallel=None):  # fmt: skip
+    """:func:`learner_at` ``path``, ready to train under ``parallel`` (this rank of N; default
+    one process) with the train state of ``optimization`` (an ``RLOptimization``: the stage's
+    optimizer at its step): the learner's when it is that state, else the one saved with
+    ``path``'s weights (the checkpoint, or the record's kept one), else fresh
+    (grpo_core/algorithm/learner.py: ``Learner.resume``)."""
+    learner = learner_at(path, lora_base=lora_base)
+    saved = policy_ref.saved_at(path) or Path(path)  # where a saved state would be
+    learner.resume(optimization, saved, seed=seed, parallel=parallel, logger=logger(__name__))
+    return learner
+
+
+def _learner(at: policy_ref.Located, base: Path | None):
+    path, pid = at.path, at.policy_id
     policies = held()
     with policies.lock:
         learner = policies.learner
@@ -165,19 +180,19 @@ def _learner(path: Path, base: Path | None):
                 learner = policies.loaded.pop("policy")  # sampled read-only so far: trained now
                 policies.stats["hits"] += 1
             else:
-                learner = _load(path, pid, "policy", policies, lora_base=base)
+                learner = _load(at, "policy", policies, lora_base=base)
         if base is not None:
-            learner = _adapted(learner, path, base)
+            learner = _adapted(learner, at, base)
         learner.checkpoint = path
         policies.learner = learner
         return learner
 
 
-def _adapted(learner, path: Path, base: Path):
+def _adapted(learner, at: policy_ref.Located, base: Path):
     base_id = policy_ref.policy_id(base)
     if learner.lora_base_id == base_id:
         return learner
-    weights = policy_ref.saved_at(path) or path
+    weights = at.saved() or at.path
     if learner.policy_id != base_id:
         _check_adapter(weights, base, base_id)
     return learner.adapted(weights, base, base_id, **_lora_how())
@@ -229,16 +244,16 @@ def _replay(ref) -> str:
 def resolve(path: str | Path) -> None:
     """Make ``path``'s weights something :func:`handle` gives without training: nothing to
     do when they are in memory or on disk, else their lineage resolved into the learner."""
-    path = Path(path)
-    pid = policy_ref.policy_id(path)
+    at = policy_ref.locate(path)
     policies = held()
     in_memory = [policies.learner, policies.loaded.get("policy")]
-    if any(p is not None and p.policy_id == pid for p in in_memory):
+    if any(p is not None and p.policy_id == at.policy_id for p in in_memory):
         return
-    if policy_ref.is_ref(path):
-        ref = policy_ref.read_ref(path)
-        if ref.kept() is None and not (ref.checkpoint and is_pending(ref.checkpoint)):
-            learner_at(path)
+    ref = at.record  # None: a checkpoint folder
+    if ref is None or ref.kept() is not None:
+        return  # on disk
+    if not (ref.checkpoint and is_pending(ref.checkpoint)):  # (pending: on disk once written)
+        learner_at(at.path)
 
 
 def reference(learner, checkpoint: str | Path):

@@ -44,6 +44,32 @@ class PolicyRef:
         return None
 
 
+@dataclass(frozen=True)
+class Located:
+    """A policy path, read once: a checkpoint folder (``record`` None) or an iteration's
+    record, and the ``policy_id`` of the weights it names."""
+
+    path: Path
+    policy_id: str
+    record: PolicyRef | None = None
+
+    def saved(self) -> Path | None:
+        """:func:`saved_at` ``path``: the folder itself, or the record's kept checkpoint."""
+        return self.record.kept() if self.record is not None else self.path
+
+
+def locate(path: str | Path) -> Located:
+    """``path``'s policy: a checkpoint folder's weights hashed (verified), or a record read
+    (the hash it recorded)."""
+    from grpo_core.training.checkpoint import policy_id as checkpoint_policy_id
+
+    path = Path(path)
+    if is_ref(path):
+        ref = read_ref(path)
+        return Located(path, ref.policy_id, ref)
+    return Located(path, checkpoint_policy_id(path))
+
+
 def is_ref(path: str | Path) -> bool:
     return Path(path).name == REF_NAME and Path(path).is_file()
 
@@ -51,9 +77,7 @@ def is_ref(path: str | Path) -> bool:
 def policy_id(path: str | Path) -> str:
     """The ``policy_id`` of a checkpoint folder (its weights' hash, verified) or of a record
     (the hash it recorded)."""
-    from grpo_core.training.checkpoint import policy_id as checkpoint_policy_id
-
-    return read_ref(path).policy_id if is_ref(path) else checkpoint_policy_id(path)
+    return locate(path).policy_id
 
 
 def saved_at(path: str | Path) -> Path | None:
