@@ -47,7 +47,10 @@ class RolloutEngine(Protocol):
         desc: str = "generate",
         progress: bool = True,
     ) -> list[Sample]:
-        """``params.n`` samples per prompt, ordered by prompt then sample index."""
+        """``params.n`` samples per prompt, ordered by prompt then sample index. An engine
+        may also take ``budgets`` (each sample's own most new tokens: the turn loop passes
+        its episodes' budgets left, grpo_core/engines/turns.py); without it a turn samples up
+        to the largest and each episode's share over its own is cut."""
         ...
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -146,9 +146,11 @@ def _generate_batch(
     *,
     stats: dict | None = None,
     turn=None,
+    budgets: list[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """One micro-batch. ``turn`` (grpo_core/engines/turn_cache.py): the episodes' KV kept
-    from their earlier turns (only the tokens after it are fed) and kept again for the next."""
+    from their earlier turns (only the tokens after it are fed) and kept again for the next.
+    ``budgets``: each row's own most new tokens (a row that reaches it finishes, length)."""
     device = model.device
     B = len(prompts)
     input_ids, attn = _left_pad(prompts, pad_id, device)
@@ -168,6 +170,7 @@ def _generate_batch(
     rows = torch.arange(B, device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     seen = None  # [b, V] bool: tokens in prompt or completion (repetition penalty)
+    budget = None if budgets is None else torch.tensor(budgets, device=device)  # [B]
 
     last_only = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
     for t in range(params.max_new_tokens):
@@ -199,6 +202,10 @@ def _generate_batch(
             hit_eos |= _stop_string_hits(stop_hits, gen, rows, ~done & ~hit_eos, tok, device)
         out.stop(t, rows[hit_eos])
         done |= hit_eos
+        if budget is not None:  # rows at their own budget: finished (length)
+            spent = (budget[rows] <= t + 1) & ~done
+            out.cut(t, rows[spent])
+            done |= spent
         if bool(done.all()):
             break
         step_ids = tok[:, None]
@@ -334,6 +341,7 @@ def generate(
     stats: dict | None = None,
     turns=None,
     episodes: list | None = None,
+    budgets: list[int] | None = None,
 ) -> list[Sample]:
     """Sample ``params.n`` completions for each tokenised prompt.
 
@@ -347,7 +355,9 @@ def generate(
     ``turns`` (a :class:`grpo_core.engines.turn_cache.TurnCache`) keeps each sample's KV
     cache for its episode's next turn, ``episodes[i]`` naming job i's episode (job: prompt
     major, then sample); a prompt that continues an episode whose KV it keeps (its ids
-    start with the kept ones) is fed only the tokens after them.
+    start with the kept ones) is fed only the tokens after them. ``budgets[i]``: job i's own
+    most new tokens (at most ``params.max_new_tokens``; the turn loop's episode budgets): a
+    sample that reaches it ends there, finish reason ``length``.
     """
     if not prompt_ids:
         return []
@@ -384,6 +394,7 @@ def generate(
                     stop_hits,
                     stats=stats,
                     **({} if turn is None else {"turn": turn}),
+                    **({} if budgets is None else {"budgets": budgets[start:end]}),
                 )
                 if turn is not None:
                     turn.done(ids)

@@ -70,9 +70,11 @@ class HFEngine:
         progress: bool = True,
         turns: TurnCache | None = None,
         episodes: list | None = None,
+        budgets: list[int] | None = None,
     ) -> list[Sample]:
         """``turns``, ``episodes``: the turn loop's kept KV (:meth:`turn_cache`) and each
-        sample's episode (grpo_core.engines.generation.generate)."""
+        sample's episode; ``budgets``: each sample's own most new tokens
+        (grpo_core.engines.generation.generate)."""
         tok = self.tokenizer
         stats: dict = {}
         samples = generate(
@@ -90,6 +92,7 @@ class HFEngine:
             stats=stats,
             turns=turns,
             episodes=episodes,
+            budgets=budgets,
         )
         self.last_decode = stats.get("decode")
         for k in self.fed:

@@ -141,6 +141,7 @@ def generate_batch_static(
     graphs: bool = False,
     stats: dict | None = None,
     turn=None,
+    budgets: list[int] | None = None,
 ):
     """``grpo_core.engines.generation._generate_batch`` with fixed shapes (module docstring).
     ``stats``: gets ``decode`` (the mode that ran), ``steps`` and the prefill's tokens.
@@ -190,6 +191,7 @@ def generate_batch_static(
     if params.repetition_penalty != 1.0:
         counts = torch.zeros((B, logits.shape[-1]), dtype=torch.long, device=device)
         seen = counts.scatter_add_(1, seen_ids, seen_attn) > 0  # [B, V] prompt, no padding
+    budget = None if budgets is None else torch.tensor(budgets, device=device)  # [B]
     host = _StopStrings(stop_hits, B) if stop_hits is not None else None
     padding = ids.new_full((R - B,), pad_id)  # the padding rows' tokens (rows rounded up)
     last = pos[:, -1:]  # [B, 1]
@@ -207,6 +209,10 @@ def generate_batch_static(
         done |= hit
         if seen is not None:
             seen.scatter_(1, tok[:, None], (~done | hit)[:, None])
+        if budget is not None:  # rows at their own budget: finished (length)
+            spent = (budget <= t + 1) & ~done
+            out.lengths = torch.where(spent, t + 1, out.lengths)
+            done |= spent
         steps = t + 1
         last_step = t + 1 == T
         if host is not None and (last_step or steps % CHECK_EVERY == 0):
@@ -271,14 +277,13 @@ class _StopStrings:
     def check(self, out, done: torch.Tensor, steps: int) -> None:
         new = out.tokens[:, self.checked : steps].tolist()  # [B, k]
         lengths = out.lengths.tolist()
-        stopped = out.stopped.tolist()
         hits_at: dict[int, int] = {}
         for j in range(steps - self.checked):
             s = self.checked + j
             rows = [
                 r
                 for r in range(len(new))
-                if not self.ended[r] and not (stopped[r] and s >= lengths[r])
+                if not self.ended[r] and s < lengths[r]  # (a row cut at its budget: too)
             ]
             for r in rows:
                 self.gen[r].append(new[r][j])

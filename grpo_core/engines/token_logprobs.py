@@ -76,6 +76,10 @@ class Completions:
         self.lengths[rows] = t + 1
         self.stopped[rows] = True
 
+    def cut(self, t: int, rows) -> None:
+        """These rows reached their own token budget at step ``t`` (finish: length)."""
+        self.lengths[rows] = t + 1
+
     def lists(self) -> tuple[list[list[int]], list[list[float]], list[str], list | None]:
         """Per row: tokens, logprobs, finish reason; and the policy logprobs (or None)."""
         completions, logps, reasons, policy = [], [], [], []

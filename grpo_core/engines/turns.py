@@ -24,7 +24,9 @@ Without an environment an episode is one model turn: the engine's samples as the
 3. the next turn continues from the exact ids so far (prompt + every turn), never from a
    re-rendered conversation, until a turn ends without a call, ``rollout.max_turns`` model
    turns are done, or ``max_completion_length`` (the whole trajectory's budget) runs out
-   (``finish_reason`` ``length``, as for a single turn). An engine with a ``turn_cache()``
+   (``finish_reason`` ``length``, as for a single turn); a later turn gives the engine
+   each episode's budget left (``budgets``), so no episode samples past its own. An engine
+   with a ``turn_cache()``
    (the hf engine) keeps each episode's KV cache from one turn to the next, so a turn feeds
    only the tokens after it (grpo_core/engines/turn_cache.py); an episode's goes when it
    ends, all of it when the loop returns.
@@ -36,6 +38,7 @@ imports prefect, mlflow or ray.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 from collections.abc import Mapping
@@ -224,14 +227,24 @@ class _Episodes:
                 nxt,
                 [ep.key for ep in going],
                 f"{self.desc} turn {turn + 1}",
+                budgets=[ep.left for ep in going],
             )
             active = list(zip(going, outs, strict=True))
         return [ep.sample() for ep in episodes]
 
-    def _generate(self, contexts, params: SamplingParams, keys: list[int], desc: str):
+    def _generate(self, contexts, params: SamplingParams, keys: list[int], desc: str,
+                  budgets: list[int] | None = None):  # fmt: skip
         """The engine's samples of ``contexts`` (each ``params.n`` times), the samples'
-        episodes ``keys`` when the engine keeps their KV."""
+        episodes ``keys`` when the engine keeps their KV; ``budgets``: each context's own
+        most new tokens, where the engine takes them (else each episode's share over its
+        own is cut: :meth:`_model_turn`)."""
         kw = {} if self.kept is None else {"turns": self.kept, "episodes": keys}
+        if (
+            budgets is not None
+            and min(budgets) < params.max_new_tokens
+            and _takes_budgets(self.engine)
+        ):
+            kw["budgets"] = budgets
         return self.engine.generate(contexts, params, desc=desc, progress=self.progress, **kw)
 
     def _first_turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
@@ -311,6 +324,16 @@ class _Episodes:
                 continue
             going.append(ep)
         return going
+
+
+def _takes_budgets(engine) -> bool:
+    """Whether ``engine.generate`` takes per-sample ``budgets`` (the built-in engines do; an
+    engine of the user's may not)."""
+    try:
+        params = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _env_reward(episode) -> dict | None:

@@ -207,7 +207,8 @@ class VLLMEngine:
             torch.set_num_threads(opts.threads)
         return cls(llm, tokenizer=tokenizer, enable_sleep_mode=opts.llm_kwargs["enable_sleep_mode"])
 
-    def _sampling_params(self, params: SamplingParams, seed: int | None):
+    def _sampling_params(self, params: SamplingParams, seed: int | None, most: int | None = None):
+        """``most``: this request's own most new tokens (default ``params.max_new_tokens``)."""
         vllm = _import_vllm()
         eos = self.tokenizer.eos_token_id
         return vllm.SamplingParams(
@@ -217,7 +218,7 @@ class VLLMEngine:
             top_k=params.top_k if params.top_k > 0 else -1,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
-            max_tokens=params.max_new_tokens,
+            max_tokens=params.max_new_tokens if most is None else min(most, params.max_new_tokens),
             stop=list(params.stop) or None,
             stop_token_ids=[eos] if eos is not None else None,
             seed=seed,
@@ -234,13 +235,22 @@ class VLLMEngine:
         *,
         desc: str = "generate",
         progress: bool = True,
+        budgets: list[int] | None = None,
     ) -> list[Sample]:
+        """``budgets``: each prompt's own most new tokens (with ``params.n`` 1, as the turn
+        loop asks), its request's ``max_tokens``."""
         if not prompt_ids:
             return []
         vllm = _import_vllm()
         prompts = [vllm.TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids]
+        if budgets is not None and params.n != 1:
+            raise ValueError("budgets are per prompt: params.n must be 1")
         sps = [
-            self._sampling_params(params, prompt_seed(params.seed, i, params.n))
+            self._sampling_params(
+                params,
+                prompt_seed(params.seed, i, params.n),
+                None if budgets is None else int(budgets[i]),
+            )  # fmt: skip
             for i in range(len(prompts))
         ]
         outputs = self.llm.generate(prompts, sps, use_tqdm=progress, lora_request=self.lora_request)

@@ -117,3 +117,20 @@ def test_vllm_samples_the_prompt_a_reset_extended_as_the_hf_engine(taught):
         else:
             extended = encode_prompt(tok, extend_prompt(row["prompt"], row["hint"]))
             assert g.prompt_ids == extended and g.prompt_ids != ids
+
+
+def test_vllm_ends_a_sample_at_its_own_budget(taught):
+    """``budgets`` (the turn loop's per-episode budgets left) is each request's
+    ``max_tokens``: greedy samples are the unbudgeted ones cut there, finish ``length``."""
+    path, prompts = taught
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
+    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=256)
+    try:
+        full = vl.generate(prompts[:4], greedy, progress=False)
+        budgets = [1, 5, 12, 24]
+        cut = vl.generate(prompts[:4], greedy, progress=False, budgets=budgets)
+    finally:
+        vl.close()
+    for f, c, b in zip(full, cut, budgets, strict=True):
+        assert c.completion_ids == f.completion_ids[:b]
+        assert c.finish_reason == ("length" if len(f.completion_ids) > b else f.finish_reason)
