@@ -8,13 +8,10 @@ so that every turn ends with a call, and an environment that answers every call.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks import bench_turn_prefill as BENCH
 from grpo_core.config.stages import RolloutConfig
 from grpo_core.engines import static_decode
 from grpo_core.engines.generation import SamplingParams, generate
@@ -22,18 +19,6 @@ from grpo_core.engines.hf import HFEngine
 from grpo_core.engines.turn_cache import TurnCache
 from grpo_core.engines.turns import run_turns
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_turn_prefill.py"
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("bench_turn_prefill", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-BENCH = _bench()
 TURNS = 8
 
 
