@@ -26,9 +26,8 @@ Without an environment an episode is one model turn: the engine's samples as the
    turns are done, or ``max_completion_length`` (the whole trajectory's budget) runs out
    (``finish_reason`` ``length``, as for a single turn); a later turn gives the engine
    each episode's budget left (``budgets``), so no episode samples past its own. An engine
-   with a ``turn_cache()``
-   (the hf engine) keeps each episode's KV cache from one turn to the next, so a turn feeds
-   only the tokens after it (grpo_core/engines/turn_cache.py); an episode's goes when it
+   with a ``turn_cache()`` (the hf engine) keeps each episode's KV cache from one turn to
+   the next, so a turn feeds only the tokens after it (grpo_core/engines/turn_cache.py); an episode's goes when it
    ends, all of it when the loop returns.
 
 The tool calls of one turn run at once, on ``rollout.tool_workers`` threads. Nothing here
