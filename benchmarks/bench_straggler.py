@@ -69,10 +69,12 @@ class Counting:
         return out
 
 
-def measure(model, tok, episodes: int, turns: int, slow: float, repeats: int, budget: int):
+def measure(model, tok, episodes: int, turns: int, slow: float, repeats: int, budget: int,
+            wait_s: float | None = None):  # fmt: skip
     """(best wall s, tokens returned by the engine, tokens the episodes kept)."""
     spec = ToolSpec(tools=(f"{Path(__file__).resolve()}:OneSlow",), max_turns=turns,
-                    max_tool_output_tokens=16, tool_workers=episodes)  # fmt: skip
+                    max_tool_output_tokens=16, tool_workers=episodes,
+                    tool_wait_s=wait_s)  # fmt: skip
     rows = [{"slow": slow if i == 0 else 0.0} for i in range(episodes)]
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=budget, seed=0)
     best, sampled, kept = float("inf"), 0, 0
@@ -96,24 +98,34 @@ def main() -> None:
     p.add_argument("--slow", type=float, default=1.0, help="seconds of episode 0's first call")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=128, help="the model's hidden size")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--wait-s", type=_wait, nargs="+", default=[None, 0.1],
+                   help="rollout.tool_wait_s values to measure ('none': the barrier)")  # fmt: skip
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    model, tok = clock_model()
+    model, tok = clock_model(hidden_size=a.hidden, layers=a.layers)
     # a budget the turns cannot all fill: later turns start with different budgets left
     budget = TURN * a.turns + 8 * (a.turns - 1)
-    fast = measure(model, tok, a.episodes, a.turns, 0.0, a.repeats, budget)
-    slow = measure(model, tok, a.episodes, a.turns, a.slow, a.repeats, budget)
     print(f"{a.episodes} episodes, {a.turns} turns, budget {budget} tokens, torch threads "
           f"{torch.get_num_threads()}", file=sys.stderr)  # fmt: skip
-    head = ["arm", "wall s", "added by the slow call s", "tokens sampled", "kept",
-            "sampled past budget"]  # fmt: skip
+    head = ["rollout.tool_wait_s", "arm", "wall s", "added by the slow call s",
+            "tokens sampled", "kept", "sampled past budget"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for name, (wall, sampled, kept) in (("all calls instant", fast),
-                                        (f"one {a.slow:g} s call", slow)):  # fmt: skip
-        added = "" if name.startswith("all") else f"{wall - fast[0]:.3f}"
-        print(f"| {name} | {wall:.3f} | {added} | {sampled:,} | {kept:,} | "
-              f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for wait_s in a.wait_s:
+        fast = measure(model, tok, a.episodes, a.turns, 0.0, a.repeats, budget, wait_s)
+        slow = measure(model, tok, a.episodes, a.turns, a.slow, a.repeats, budget, wait_s)
+        mode = "null (barrier)" if wait_s is None else f"{wait_s:g}"
+        for name, (wall, sampled, kept) in (("all calls instant", fast),
+                                            (f"one {a.slow:g} s call", slow)):  # fmt: skip
+            added = "" if name.startswith("all") else f"{wall - fast[0]:.3f}"
+            print(f"| {mode} | {name} | {wall:.3f} | {added} | {sampled:,} | {kept:,} | "
+                  f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
+
+
+def _wait(value: str) -> float | None:
+    return None if value in ("none", "null") else float(value)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,15 @@ class RolloutConfig(Section):
         "process forked per call) or 'fresh' (a new sandbox per call, ~125 ms); the same "
         "isolation, limits and outputs",
     )
+    tool_wait_s: float | None = Field(
+        TOOL.tool_wait_s,
+        ge=0,
+        le=3600,
+        description="how long a turn waits for its slowest tool calls before the episodes "
+        "whose calls are answered go on without them (a late episode joins a later turn's "
+        "batch); null: every call, one barrier per turn, bit-reproducible samples. Set, "
+        "samples depend on timing whenever a call is late (docs/tools.md)",
+    )
     functions: list[str] = Field(
         default_factory=list,
         description="function tools in the chat template's JSON format (docs/tools.md): "

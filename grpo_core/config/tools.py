@@ -41,6 +41,10 @@ class ToolSpec:
     # process per call, grpo_core/sandbox/forkserver.py) or "fresh" (a new sandbox per call);
     # the same isolation, limits and outputs either way
     tool_sandbox: str = "warm"
+    # how long a turn waits for its slowest tool calls (seconds) before the episodes whose
+    # calls are answered go on without them (grpo_core/engines/turns.py); None: every call
+    # (a barrier per turn, and bit-reproducible samples)
+    tool_wait_s: float | None = None
 
     def __getattr__(self, name: str):
         """The fields' record names (``call_end``, ``timeout_s``, ...: :data:`RECORD_NAMES`),
@@ -59,6 +63,8 @@ class ToolSpec:
         data = {RECORD_NAMES.get(k, k): v for k, v in asdict(self).items()}
         if data["sandbox"] == type(self).tool_sandbox:  # the default, left out: stage cache
             del data["sandbox"]  # keys stay as they were (the outputs are the same both ways)
+        if data["wait_s"] is None:  # the barrier, the default: left out, as the sandbox
+            del data["wait_s"]
         return data
 
 
@@ -77,6 +83,7 @@ RECORD_NAMES = {
     "tool_isolation": "isolation",
     "tool_truncation_mark": "truncation_mark",
     "tool_sandbox": "sandbox",
+    "tool_wait_s": "wait_s",
 }
 FIELD_NAMES = {record: name for name, record in RECORD_NAMES.items()}
 

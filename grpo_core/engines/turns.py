@@ -41,7 +41,7 @@ import inspect
 import os
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +159,10 @@ class _Episode:
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
                            "error": error, "seconds": round(seconds, 4)})  # fmt: skip
 
+    @property
+    def model_turns(self) -> int:
+        return sum(t["role"] == "assistant" for t in self.turns)
+
     def sample(self) -> Sample:
         from grpo_core.engines.generation import Sample
 
@@ -180,6 +184,7 @@ class _Episodes:
     progress: bool
     kept: Any = None  # the engine's TurnCache for this call's episodes, if it keeps one
     context: int | None = None  # the model's positions (None: unknown)
+    marks: tuple | None = None  # the truncation mark's and result end marker's ids
 
     def run(self, prompt_ids: list[list[int]], rows) -> list[Sample]:
         env = environment(self.spec)
@@ -199,37 +204,64 @@ class _Episodes:
                 self.kept.close()
 
     def _turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
-        n = params.n
         samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
             _Episode(o.ids, s.prompt_index, s.sample_index, o.episode,
                      completion_budget(o, params.max_new_tokens, self.context),
                      opened=o.prompt, key=i)
             for i, s in enumerate(samples)
-            for o in [opens[s.prompt_index * n + s.sample_index]]
+            for o in [opens[s.prompt_index * params.n + s.sample_index]]
         ]  # fmt: skip
-        active, turn = list(zip(episodes, samples, strict=True)), 0
-        while active:
-            calls = [(ep, text) for ep, s in active if (text := self._model_turn(ep, s, turn))]
-            going = self._observe(calls)
-            if self.kept is not None:  # the episodes that ended: their KV is not needed
-                for ep in {ep.key for ep, _ in active} - {ep.key for ep in going}:
-                    self.kept.drop(ep)
+        workers = self.spec.tool_workers or os.cpu_count() or 1
+        pool = ThreadPoolExecutor(max_workers=workers)
+        try:
+            self._rounds(list(zip(episodes, samples, strict=True)), params, pool)
+        finally:  # calls not started are dropped; running ones end within their timeout
+            pool.shutdown(wait=True, cancel_futures=True)
+        return [ep.sample() for ep in episodes]
+
+    def _rounds(self, active, params: SamplingParams, pool) -> None:
+        """Turn after turn until every episode has ended. Each round appends the model
+        turns ``active`` sampled and starts their tool calls on ``pool``; the next round
+        samples the episodes whose calls are answered: all of them (``tool_wait_s`` None,
+        one barrier per turn), or those answered within ``tool_wait_s`` of the round's end
+        (at least one), the late ones joining the round after their answer. Calls run
+        while the next round samples."""
+        wait_s, calls, rnd = self.spec.tool_wait_s, {}, 0
+        while True:
+            for ep, s in active:
+                text = self._model_turn(ep, s)
+                if text:
+                    calls[pool.submit(self._step, (ep, text))] = ep
+                elif self.kept is not None:  # the episode ended: its KV is not needed
+                    self.kept.drop(ep.key)
+            if not calls:
+                return
+            done, _ = wait(calls, timeout=wait_s, return_when=ALL_COMPLETED)
+            if not done:  # every call is late: the first answer starts the round
+                done, _ = wait(calls, return_when=FIRST_COMPLETED)
+            going = []
+            for ep, obs in sorted(((calls.pop(f), f.result()) for f in done),
+                                  key=lambda answer: answer[0].key):  # fmt: skip
+                if self._answer(ep, obs):
+                    going.append(ep)
+                elif self.kept is not None:
+                    self.kept.drop(ep.key)
             if not going:
-                break
-            turn += 1
-            seed = None if params.seed is None else params.seed + 1_000_003 * turn
+                active = []
+                continue
+            rnd += 1
+            seed = None if params.seed is None else params.seed + 1_000_003 * rnd
             nxt = dataclasses.replace(params, n=1, seed=seed,
                                       max_new_tokens=max(ep.left for ep in going))  # fmt: skip
             outs = self._generate(
                 [ep.prompt + ep.ids for ep in going],
                 nxt,
                 [ep.key for ep in going],
-                f"{self.desc} turn {turn + 1}",
+                f"{self.desc} {_turn_label(going)}",
                 budgets=[ep.left for ep in going],
             )
             active = list(zip(going, outs, strict=True))
-        return [ep.sample() for ep in episodes]
 
     def _generate(self, contexts, params: SamplingParams, keys: list[int], desc: str,
                   budgets: list[int] | None = None):  # fmt: skip
@@ -262,7 +294,7 @@ class _Episodes:
             for i, s in enumerate(outs)
         ]
 
-    def _model_turn(self, ep: _Episode, s, turn: int) -> str | None:
+    def _model_turn(self, ep: _Episode, s) -> str | None:
         """Append the model's turn (within the budget); its text when it calls a tool and
         the episode may go on, else None (the episode is over)."""
         tok = self.engine.tokenizer
@@ -276,7 +308,12 @@ class _Episodes:
         )
         cut = len(ids) < len(s.completion_ids)
         ep.finish = "length" if cut else s.finish_reason
-        if cut or s.finish_reason != "stop" or ep.left <= 0 or turn + 1 >= self.spec.max_turns:
+        if (
+            cut
+            or s.finish_reason != "stop"
+            or ep.left <= 0
+            or ep.model_turns >= self.spec.max_turns
+        ):
             return None
         if self.spec.json_calls:  # the environment finds the calls (none: the episode ends)
             return tok.decode(ids, skip_special_tokens=False)
@@ -294,35 +331,34 @@ class _Episodes:
             body = f"{self.spec.tool_result_start}{error}{self.spec.tool_result_end}"
             return Observation(body, error, time.perf_counter() - start)
 
-    def _observe(self, calls: list[tuple[_Episode, str]]) -> list[_Episode]:
-        """Run the turn's tool calls at once; append each observation's tokens. The
-        episodes that go on."""
-        if not calls:
-            return []
-        workers = self.spec.tool_workers or os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=min(workers, len(calls))) as pool:
-            observations = list(pool.map(self._step, calls))
-        tok, going, spec = self.engine.tokenizer, [], self.spec
-        mark = encode_mark(tok, spec.tool_truncation_mark)
-        end = tok(spec.tool_result_end, add_special_tokens=False)["input_ids"]
-        for (ep, _), obs in zip(calls, observations, strict=True):
-            if obs is None:  # the environment ends the episode
-                continue
-            if obs.messages is not None:  # tool messages, rendered by the chat template
-                ids = encode_tool_messages(tok, obs.messages, spec.max_tool_output_tokens, mark)
-            else:
-                ids = encode_observation(
-                    tok, obs.text, spec.tool_result_start, spec.tool_result_end
-                )
-                ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
-            take = ids[: ep.left]
-            text = tok.decode(take, skip_special_tokens=True)
-            ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)
-            if len(take) < len(ids) or ep.left <= 0:
-                ep.finish = "length"
-                continue
-            going.append(ep)
-        return going
+    def _answer(self, ep: _Episode, obs: Observation | None) -> bool:
+        """Append the observation's tokens (within the budget); whether the episode goes
+        on."""
+        if obs is None:  # the environment ends the episode
+            return False
+        tok, spec = self.engine.tokenizer, self.spec
+        if self.marks is None:  # the truncation mark and the result end marker, encoded
+            self.marks = (encode_mark(tok, spec.tool_truncation_mark),
+                          tok(spec.tool_result_end, add_special_tokens=False)["input_ids"])  # fmt: skip
+        mark, end = self.marks
+        if obs.messages is not None:  # tool messages, rendered by the chat template
+            ids = encode_tool_messages(tok, obs.messages, spec.max_tool_output_tokens, mark)
+        else:
+            ids = encode_observation(tok, obs.text, spec.tool_result_start, spec.tool_result_end)
+            ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
+        take = ids[: ep.left]
+        text = tok.decode(take, skip_special_tokens=True)
+        ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)
+        if len(take) < len(ids) or ep.left <= 0:
+            ep.finish = "length"
+            return False
+        return True
+
+
+def _turn_label(going: list[_Episode]) -> str:
+    """The progress bar's label of a round: the model turn(s) it samples."""
+    turns = sorted({ep.model_turns + 1 for ep in going})
+    return f"turn {turns[0]}" if len(turns) == 1 else f"turns {turns[0]}-{turns[-1]}"
 
 
 def _takes_budgets(engine) -> bool:

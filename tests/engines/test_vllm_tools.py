@@ -134,3 +134,21 @@ def test_vllm_ends_a_sample_at_its_own_budget(taught):
     for f, c, b in zip(full, cut, budgets, strict=True):
         assert c.completion_ids == f.completion_ids[:b]
         assert c.finish_reason == ("length" if len(f.completion_ids) > b else f.finish_reason)
+
+
+def test_vllm_episodes_without_the_barrier(taught):
+    """``tool_wait_s: 0``: each round samples only the episodes whose calls have answered by
+    then, the rest joining later rounds; greedy, the episodes are still the hf engine's
+    with the barrier, token for token."""
+    path, prompts = taught
+    spec = ToolSpec(max_turns=3, max_tool_output_tokens=16)
+    barrier = episodes_on_both_engines(path, prompts, spec, 64, 256)
+    vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=256)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=64)
+    late = ToolSpec(max_turns=3, max_tool_output_tokens=16, tool_wait_s=0.0, tool_workers=1)
+    try:
+        got = run_turns(vl, prompts, greedy, desc="vllm", progress=False, tools=late)
+    finally:
+        vl.close()
+    assert [g.completion_ids for g in got] == [w.completion_ids for w in barrier]
+    assert sum(t["role"] == "tool" for s in got for t in s.turns) >= len(prompts) // 2
