@@ -236,7 +236,15 @@ class OnRay(Local):
 
         return score_sharded(self.cfg, request)
 
-    def update(self, run, on_rank, kwargs, *, what, out_checkpoint):
+    def update(
+        self,
+        run: Callable[..., Any],
+        on_rank: Callable[..., Any],
+        kwargs: dict,
+        *,
+        what: str,
+        out_checkpoint: str,
+    ):
         """``on_rank(data_parallel, **kwargs)`` on every rank of the trainer group; rank 0
         writes ``out_checkpoint`` (maybe on another node) and shares it through the store. A
         failed group leaves no temporary checkpoint beside it."""
