@@ -203,9 +203,10 @@ class RolloutConfig(Section):
         ge=0,
         le=3600,
         description="how long a turn waits for its slowest tool calls before the episodes "
-        "whose calls are answered go on without them (a late episode joins a later turn's "
-        "batch); null: every call, one barrier per turn, bit-reproducible samples. Set, "
-        "samples depend on timing whenever a call is late (docs/tools.md)",
+        "whose calls are answered go on without them (if none has answered, it waits for the "
+        "first answer; a late episode joins a later turn's batch); null: every call, one "
+        "barrier per turn, bit-reproducible samples. Set, samples depend on timing whenever a "
+        "call is late (docs/tools.md)",
     )
     functions: list[str] = Field(
         default_factory=list,

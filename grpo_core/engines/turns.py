@@ -30,8 +30,12 @@ Without an environment an episode is one model turn: the engine's samples as the
    the next, so a turn feeds only the tokens after it (grpo_core/engines/turn_cache.py); an episode's goes when it
    ends, all of it when the loop returns.
 
-The tool calls of one turn run at once, on ``rollout.tool_workers`` threads. Nothing here
-imports prefect, mlflow or ray.
+The tool calls run on one pool of ``rollout.tool_workers`` threads for the whole loop. By
+default the next turn waits for every call of the turn before (one barrier per turn); with
+``rollout.tool_wait_s`` it waits that long, then samples the episodes whose calls have
+answered (if none has, it waits for the first answer), and a late episode joins a later
+round while its call holds its worker (:meth:`_Episodes._rounds`). Nothing here imports
+prefect, mlflow or ray.
 """
 
 from __future__ import annotations
@@ -213,11 +217,13 @@ class _Episodes:
             for o in [opens[s.prompt_index * params.n + s.sample_index]]
         ]  # fmt: skip
         workers = self.spec.tool_workers or os.cpu_count() or 1
-        pool = ThreadPoolExecutor(max_workers=workers)
+        pool, ended = ThreadPoolExecutor(max_workers=workers), False
         try:
             self._rounds(list(zip(episodes, samples, strict=True)), params, pool)
-        finally:  # calls not started are dropped; running ones end within their timeout
-            pool.shutdown(wait=True, cancel_futures=True)
+            ended = True
+        finally:  # leaving on an error: calls not started are dropped, and the error is not
+            # held up by a running one (the python tool's ends within tool_timeout_s)
+            pool.shutdown(wait=ended, cancel_futures=True)
         return [ep.sample() for ep in episodes]
 
     def _rounds(self, active, params: SamplingParams, pool) -> None:
