@@ -146,9 +146,19 @@ def test_vllm_episodes_without_the_barrier(taught):
     vl = get_engine("vllm", checkpoint=path, dtype="float32", max_model_len=256)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=64)
     late = ToolSpec(max_turns=3, max_tool_output_tokens=16, tool_wait_s=0.0, tool_workers=1)
+    rounds, generate = [], vl.generate
+
+    def counted(contexts, *args, **kw):
+        rounds.append(len(contexts))
+        return generate(contexts, *args, **kw)
+
+    vl.generate = counted
     try:
         got = run_turns(vl, prompts, greedy, desc="vllm", progress=False, tools=late)
     finally:
         vl.close()
+    # calls answered one at a time: more rounds than the barrier's one per turn
+    turns = max(sum(t["role"] == "assistant" for t in g.turns) for g in got)
+    assert len(rounds) > turns, rounds
     assert [g.completion_ids for g in got] == [w.completion_ids for w in barrier]
     assert sum(t["role"] == "tool" for s in got for t in s.turns) >= len(prompts) // 2
