@@ -1,21 +1,26 @@
 """What one slow tool call costs a batch of tool episodes, and the tokens sampled past each
-episode's own budget: the turn loop's barrier, measured (issue goal: a 1 s call in one of 64
-episodes adds at most 0.2 s to the batch's wall, and no episode samples past its budget).
+episode's own budget, with the turn loop's barrier and with ``rollout.tool_wait_s`` (issue
+goal: a 1 s call in one of 64 episodes adds at most 0.2 s to the batch's wall, and no
+episode samples past its budget).
 
     python benchmarks/bench_straggler.py [--episodes 64] [--turns 4] [--slow 1.0] [--repeats 3]
+        [--hidden 128 --layers 4] [--wait-s none 0.1]
 
 The model and prompts are benchmarks/bench_turn_prefill.py's (a random Qwen2 of the tool
-demo's shape whose logits are clocked so that every turn ends in a call); the environment
-answers every call at once, except that episode 0's first call takes ``--slow`` seconds in
-the "one slow call" arm. Wall: the best of ``--repeats`` whole turn loops of the hf engine,
-both arms in this one process. Sampled past budget: tokens the engine returned beyond what
-the episodes kept (a turn samples up to the largest budget left in the batch, and each
-episode's share over its own is cut).
+demo's shape, or ``--hidden``/``--layers``, whose logits are clocked so that every turn ends
+in a call); the environment answers every call at once, except that episode 0's first call
+takes ``--slow`` seconds in the "one slow call" arm. Per ``tool_wait_s`` value, ``--repeats``
+pairs of whole turn loops of the hf engine, the two arms alternating in this one process;
+the medians of each arm's wall and of the pairs' differences. Sampled past budget: tokens
+the engine returned beyond what the episodes kept. Whatever the loop does, the slow episode
+cannot end before its call has answered and its later turns are sampled, so the added
+wall can be small only where the batch's own wall is well over ``--slow``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,26 +74,22 @@ class Counting:
         return out
 
 
-def measure(model, tok, episodes: int, turns: int, slow: float, repeats: int, budget: int,
-            wait_s: float | None = None):  # fmt: skip
-    """(best wall s, tokens returned by the engine, tokens the episodes kept)."""
+def once(model, tok, episodes: int, turns: int, slow: float, budget: int,
+         wait_s: float | None = None):  # fmt: skip
+    """One whole turn loop: (wall s, tokens returned by the engine, tokens the episodes
+    kept)."""
     spec = ToolSpec(tools=(f"{Path(__file__).resolve()}:OneSlow",), max_turns=turns,
                     max_tool_output_tokens=16, tool_workers=episodes,
                     tool_wait_s=wait_s)  # fmt: skip
     rows = [{"slow": slow if i == 0 else 0.0} for i in range(episodes)]
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=budget, seed=0)
-    best, sampled, kept = float("inf"), 0, 0
-    for _ in range(repeats):
-        engine = Counting(HFEngine(model, tok))
-        t0 = time.perf_counter()
-        out = run_turns(engine, prompts(tok, episodes), params, desc="bench", progress=False,
-                        tools=spec, rows=rows)  # fmt: skip
-        best = min(best, time.perf_counter() - t0)
-        model_tokens = sum(
-            t["end"] - t["start"] for s in out for t in s.turns if t["role"] == "assistant"
-        )
-        sampled, kept = engine.sampled, model_tokens
-    return best, sampled, kept
+    engine = Counting(HFEngine(model, tok))
+    t0 = time.perf_counter()
+    out = run_turns(engine, prompts(tok, episodes), params, desc="bench", progress=False,
+                    tools=spec, rows=rows)  # fmt: skip
+    wall = time.perf_counter() - t0
+    kept = sum(t["end"] - t["start"] for s in out for t in s.turns if t["role"] == "assistant")
+    return wall, engine.sampled, kept
 
 
 def main() -> None:
@@ -108,20 +109,25 @@ def main() -> None:
     # a budget the turns cannot all fill: later turns start with different budgets left
     budget = TURN * a.turns + 8 * (a.turns - 1)
     print(f"{a.episodes} episodes, {a.turns} turns, budget {budget} tokens, torch threads "
-          f"{torch.get_num_threads()}", file=sys.stderr)  # fmt: skip
-    head = ["rollout.tool_wait_s", "arm", "wall s", "added by the slow call s",
-            "tokens sampled", "kept", "sampled past budget"]  # fmt: skip
+          f"{torch.get_num_threads()}, {a.repeats} pairs per row", file=sys.stderr)  # fmt: skip
+    head = ["rollout.tool_wait_s", "wall s, all calls instant", f"wall s, one {a.slow:g} s call",
+            "added by the slow call s", "tokens sampled", "kept", "sampled past budget"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for wait_s in a.wait_s:
-        fast = measure(model, tok, a.episodes, a.turns, 0.0, a.repeats, budget, wait_s)
-        slow = measure(model, tok, a.episodes, a.turns, a.slow, a.repeats, budget, wait_s)
+        # the two arms alternate, so a drift of the machine's speed hits both alike
+        pairs = [
+            (once(model, tok, a.episodes, a.turns, 0.0, budget, wait_s),
+             once(model, tok, a.episodes, a.turns, a.slow, budget, wait_s))
+            for _ in range(a.repeats)
+        ]  # fmt: skip
+        fast = statistics.median(f[0] for f, _ in pairs)
+        slow = statistics.median(s[0] for _, s in pairs)
+        added = statistics.median(s[0] - f[0] for f, s in pairs)
+        sampled, kept = pairs[-1][1][1], pairs[-1][1][2]
         mode = "null (barrier)" if wait_s is None else f"{wait_s:g}"
-        for name, (wall, sampled, kept) in (("all calls instant", fast),
-                                            (f"one {a.slow:g} s call", slow)):  # fmt: skip
-            added = "" if name.startswith("all") else f"{wall - fast[0]:.3f}"
-            print(f"| {mode} | {name} | {wall:.3f} | {added} | {sampled:,} | {kept:,} | "
-                  f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
+        print(f"| {mode} | {fast:.3f} | {slow:.3f} | {added:.3f} | {sampled:,} | {kept:,} | "
+              f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
 
 
 def _wait(value: str) -> float | None:
