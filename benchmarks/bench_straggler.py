@@ -11,8 +11,9 @@ demo's shape, or ``--hidden``/``--layers``, whose logits are clocked so that eve
 in a call); the environment answers every call at once, except that episode 0's first call
 takes ``--slow`` seconds in the "one slow call" arm. Per ``tool_wait_s`` value, ``--repeats``
 pairs of whole turn loops of the hf engine, the two arms alternating in this one process;
-the medians of each arm's wall and of the pairs' differences. Sampled past budget: tokens
-the engine returned beyond what the episodes kept. Whatever the loop does, the slow episode
+the medians of each arm's wall and of the pairs' differences; the model tokens the last
+pair's episodes kept (an arm whose rounds are the barrier's keeps the barrier's count).
+Sampled past budget: tokens the engine returned beyond what the episodes kept, all runs. Whatever the loop does, the slow episode
 cannot end before its call has answered and its later turns are sampled, so the added
 wall can be small only where the batch's own wall is well over ``--slow``.
 """
@@ -111,9 +112,10 @@ def main() -> None:
     print(f"{a.episodes} episodes, {a.turns} turns, budget {budget} tokens, torch threads "
           f"{torch.get_num_threads()}, {a.repeats} pairs per row", file=sys.stderr)  # fmt: skip
     head = ["rollout.tool_wait_s", "wall s, all calls instant", f"wall s, one {a.slow:g} s call",
-            "added by the slow call s", "tokens sampled", "kept", "sampled past budget"]  # fmt: skip
+            "added by the slow call s", "tokens kept (instant / slow)",
+            "sampled past budget"]  # fmt: skip
     print("| " + " | ".join(head) + " |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for wait_s in a.wait_s:
         # the two arms alternate, so a drift of the machine's speed hits both alike
         pairs = [
@@ -124,10 +126,12 @@ def main() -> None:
         fast = statistics.median(f[0] for f, _ in pairs)
         slow = statistics.median(s[0] for _, s in pairs)
         added = statistics.median(s[0] - f[0] for f, s in pairs)
-        sampled, kept = pairs[-1][1][1], pairs[-1][1][2]
+        runs = [run for pair in pairs for run in pair]
+        sampled, past = sum(r[1] for r in runs), sum(r[1] - r[2] for r in runs)
         mode = "null (barrier)" if wait_s is None else f"{wait_s:g}"
-        print(f"| {mode} | {fast:.3f} | {slow:.3f} | {added:.3f} | {sampled:,} | {kept:,} | "
-              f"{sampled - kept:,} ({(sampled - kept) / sampled:.1%}) |")  # fmt: skip
+        print(f"| {mode} | {fast:.3f} | {slow:.3f} | {added:.3f} | "
+              f"{pairs[-1][0][2]:,} / {pairs[-1][1][2]:,} | "
+              f"{past:,} of {sampled:,} ({past / sampled:.1%}) |")  # fmt: skip
 
 
 def _wait(value: str) -> float | None:
