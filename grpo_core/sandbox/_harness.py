@@ -1,12 +1,12 @@
 """The trusted harness: runs INSIDE the sandbox as ``python -I -B -c <_seccomp.py + _wire.py +
-this file's text> <verdict_fd>``. Stdlib only.
+_link.py + this file's text> <verdict_fd>``. Stdlib only.
 
 It reads a JSON payload from stdin (program, tests, nonce, the candidate process's code),
 closes stdin (and exits if the scorer is already gone: ``_scorer_gone``), and starts the
 **candidate process** (``_candidate.py``, a fresh interpreter: nothing of this process's
 memory, no nonce and no verdict pipe reach it). The model's program runs only there. The
 tests run here, in this process, against proxies: every name the tests take from the program
-(``credit.analyse``) is a :class:`Remote` whose call sends the arguments to the candidate
+(``credit.analyse``) is a ``Remote`` (``_link.py``) whose call sends the arguments to the candidate
 process and returns its answer decoded as plain builtin values (``_wire.py``), or a plain
 value the program defined. Every assert is decided here on those
 values, and only this process writes to the verdict pipe, one JSON line per event:
@@ -25,153 +25,7 @@ import builtins
 import json
 import os
 import select
-import subprocess
 import sys
-
-
-class CandidateError(Exception):
-    """An exception the candidate raised that is not a builtin ``Exception`` type here."""
-
-
-class CandidateGone(Exception):
-    """The candidate process ended: no call can be answered."""
-
-
-class _Link:
-    def __init__(self, code):
-        req_r, req_w = os.pipe()
-        rep_r, rep_w = os.pipe()
-        self.proc = subprocess.Popen(
-            # -s -P: -I without -E, so that PYTHONHASHSEED (the launcher's clean environment
-            # sets it, and nothing else of Python's) fixes str/bytes hashing: set order and
-            # hash() are the same in a run and its resume
-            [sys.executable, "-s", "-P", "-B", "-c", code, str(req_r), str(rep_w)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            pass_fds=(req_r, rep_w),
-        )
-        os.close(req_r)
-        os.close(rep_w)
-        self.req, self.reader, self.gone = req_w, WireReader(rep_r), None  # noqa: F821
-        self.on_gone = None
-
-    def ready(self):
-        """The candidate's first word, sent once locked and before any program code runs:
-        ``{"ready": True}`` or ``{"setup": why}``; None when it died first."""
-        try:
-            return self.reader.read()
-        except OSError:
-            return None
-
-    def run_main(self, message):
-        """``code_runs``: send the program and wait for the candidate's exit status (its
-        verdict; nothing it writes on the reply pipe is read)."""
-        try:  # noqa: SIM105 (stdlib only here, as the rest of the sandbox's code)
-            wire_send(self.req, message)  # noqa: F821 (_wire.py)
-        except OSError:
-            pass
-        return self.proc.wait()
-
-    def ask(self, message):
-        if self.gone is not None:
-            raise CandidateGone(self.gone)
-        try:
-            wire_send(self.req, message)  # noqa: F821 (_wire.py)
-            reply = self.reader.read()
-        except OSError:
-            reply = None
-        if reply is None:
-            rc = self.proc.wait()
-            self.gone = f"the candidate process ended (exit status {rc})"
-            if self.on_gone:
-                self.on_gone(rc)
-            raise CandidateGone(self.gone)
-        return reply
-
-    def close(self):
-        try:
-            os.close(self.req)
-            self.proc.kill()
-            self.proc.wait()
-        except OSError:
-            pass
-
-
-# raised from a candidate call these would end an iteration of the tests' own code (``map``,
-# a generator, ``next`` with a default): they arrive as a plain failure instead (as PEP 479
-# turns a StopIteration inside a generator into a RuntimeError)
-_ENDS_ITERATION = ("StopIteration", "StopAsyncIteration", "GeneratorExit")
-
-
-def _exception(reply):
-    name, text = str(reply.get("type")), str(reply.get("error"))
-    if name in _ENDS_ITERATION:
-        return CandidateError(f"the program raised {text}")
-    cls = getattr(builtins, name, None)
-    if isinstance(cls, type) and issubclass(cls, Exception):
-        try:
-            return cls(text.split(": ", 1)[1] if ": " in text else "")
-        except Exception:
-            pass
-    return CandidateError(text)
-
-
-def _apply_mutations(args, changed):
-    for i, enc in changed.items():
-        orig, new = args[int(i)], wire_decode(enc)  # noqa: F821
-        if type(orig) is not type(new):
-            continue
-        if type(orig) is list:
-            orig[:] = new
-        else:
-            orig.clear()
-            orig.update(new)
-
-
-class Remote:
-    """A function of the program, called in the candidate process by value."""
-
-    def __init__(self, link, name):
-        self._link, self._name = link, name
-
-    def __call__(self, *args, **kwargs):
-        message = {
-            "name": self._name,
-            "args": wire_encode(list(args)),  # noqa: F821
-            "kwargs": {"dict": {k: wire_encode(v) for k, v in kwargs.items()}},  # noqa: F821
-        }
-        reply = self._link.ask(message)
-        if reply.get("ok") is not True:
-            raise _exception(reply)
-        value = wire_decode(reply.get("value"))  # noqa: F821
-        # arguments cross by value; the call's changes to them come back only when it returns
-        # None, Python's sign of an in-place function (list.sort, random.shuffle): a function
-        # that empties its argument and returns [] cannot make the test compare [] with []
-        if value is None and type(reply.get("args")) is dict:
-            _apply_mutations(args, reply["args"])
-        return value
-
-    def __repr__(self):
-        return f"<the program's {self._name}>"
-
-
-class Refused:
-    """A name of the program whose value cannot cross (an object, a class instance...)."""
-
-    def __init__(self, name, why):
-        self._why = f"the program's {name!r} is not a plain value: {why}"
-
-    def _refuse(self, *args, **kwargs):
-        raise TypeError(self._why)
-
-    __call__ = __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __bool__ = _refuse
-    __len__ = __iter__ = __contains__ = __getitem__ = __hash__ = _refuse
-
-    def __getattr__(self, name):
-        self._refuse()
-
-    def __repr__(self):
-        return f"<{self._why}>"
 
 
 def _read_payload():
@@ -284,7 +138,7 @@ def _compile_tests(payload, kind):
 def _start_candidate(payload, names, emit):
     """Start the candidate process, lock this one, and load the program there. Returns the
     link and the candidate's first reply (``None`` when it died before answering)."""
-    link = _Link(payload["candidate_code"])
+    link = _Link(payload["candidate_code"])  # noqa: F821 (_link.py)
     link.on_gone = lambda rc: emit("candidate", "", False, str(rc))
     try:
         seccomp_lock(processes=False)  # noqa: F821
@@ -306,7 +160,7 @@ def _start_candidate(payload, names, emit):
         message = {"program": payload.pop("program"), "main": False, "names": [], "capture": limit}
         try:
             reply = link.ask(message)
-        except CandidateGone:
+        except CandidateGone:  # noqa: F821 (_link.py)
             reply = None
         if type(reply) is dict:
             # whether it ran is the candidate's exit status, read from outside: the program
@@ -318,7 +172,7 @@ def _start_candidate(payload, names, emit):
         return link, None
     try:
         first = link.ask({"program": payload["program"], "main": False, "names": names})
-    except CandidateGone:
+    except CandidateGone:  # noqa: F821 (_link.py)
         first = None
     del payload["program"]
     if first is not None and type(first) is not dict:  # the program wrote on the reply pipe
@@ -339,14 +193,15 @@ def _tests_namespace(link, names, first, emit):
     for name in names:
         info = described.get(name) if type(described) is dict else None
         if type(info) is not dict or "callable" in info:
-            tns[name] = Remote(link, name)  # a dead candidate: every call fails
+            # a dead candidate: every call fails
+            tns[name] = Remote(link, name)  # noqa: F821 (_link.py)
         elif "value" in info:
             try:
                 tns[name] = wire_decode(info["value"])  # noqa: F821
             except Exception as exc:
-                tns[name] = Refused(name, _exc_message(exc))
+                tns[name] = Refused(name, _exc_message(exc))  # noqa: F821 (_link.py)
         elif "refused" in info:
-            tns[name] = Refused(name, info["refused"])
+            tns[name] = Refused(name, info["refused"])  # noqa: F821 (_link.py)
     return tns
 
 
@@ -370,7 +225,7 @@ def _run_tests(tests, tests_error, tns, payload, link, emit):
                 emit("source", ident[: ident.index(".") + 1], True)
         entry = payload.get("entry_point")
         if entry and payload["kind"] == "humaneval":
-            tns["check"](tns.get(entry, Remote(link, entry)))
+            tns["check"](tns.get(entry, Remote(link, entry)))  # noqa: F821 (_link.py)
         if payload["kind"] != "asserts":
             emit("source", "t", True)
     except Exception as exc:

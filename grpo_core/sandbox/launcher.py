@@ -42,7 +42,7 @@ def _source(*names: str) -> str:
 
 
 # the trusted harness and the candidate process each run as one ``python -c`` text
-_HARNESS = _source("_seccomp.py", "_wire.py", "_harness.py")
+_HARNESS = _source("_seccomp.py", "_wire.py", "_link.py", "_harness.py")
 CANDIDATE = _source("_seccomp.py", "_wire.py", "_candidate.py")
 _NSINIT = _source("_nsinit.py")
 _MAX_VERDICT_BYTES = 4 << 20
