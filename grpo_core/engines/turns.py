@@ -208,6 +208,9 @@ class _Episodes:
                 self.kept.close()
 
     def _turns(self, prompt_ids, opens, params: SamplingParams) -> list[Sample]:
+        stream = getattr(self.engine, "turn_stream", None)
+        if self.spec.tool_wait_s is not None and stream is not None and self.kept is None:
+            return self._streamed(prompt_ids, opens, params, stream)
         samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
             _Episode(o.ids, s.prompt_index, s.sample_index, o.episode,
@@ -223,6 +226,55 @@ class _Episodes:
             ended = True
         finally:  # leaving on an error: calls not started are dropped, and the error is not
             # held up by a running one (the python tool's ends within tool_timeout_s)
+            pool.shutdown(wait=ended, cancel_futures=True)
+        return [ep.sample() for ep in episodes]
+
+    def _streamed(self, prompt_ids, opens, params: SamplingParams, turn_stream) -> list[Sample]:
+        """Per-episode scheduling, on an engine with a ``turn_stream`` (vLLM's continuous
+        batching: grpo_core/engines/vllm_stream.py): every turn is a request of its own,
+        added when its episode may go on (the first at once, a later one as soon as the
+        episode's call answers) and taken back at the engine step that finishes it. Seeds
+        are the barrier's when every episode takes every turn (turn ``t`` of episode
+        ``key``: round ``t - 1``'s seed, the episode's index), so an episode's samples do
+        not depend on when its calls answer."""
+        n, plain = params.n, all(o.prompt is None for o in opens)
+        episodes = [
+            _Episode(o.ids, i // n, i % n, o.episode,
+                     completion_budget(o, params.max_new_tokens, self.context),
+                     opened=o.prompt, key=i)
+            for i, o in enumerate(opens)
+        ]  # fmt: skip
+        stream = turn_stream(self.desc, self.progress)
+        workers = self.spec.tool_workers or os.cpu_count() or 1
+        pool, ended, calls = ThreadPoolExecutor(max_workers=workers), False, {}
+        try:
+            for ep in episodes:  # the first turns: as _first_turns seeds them
+                first = dataclasses.replace(
+                    params, max_new_tokens=min(ep.left, params.max_new_tokens)
+                )
+                if plain:
+                    stream.add(ep.key, prompt_ids[ep.prompt_index], first, ep.prompt_index,
+                               ep.sample_index)  # fmt: skip
+                else:
+                    stream.add(ep.key, ep.prompt, dataclasses.replace(first, n=1), ep.key)
+            while stream.busy or calls:
+                for key, s in stream.step() if stream.busy else ():
+                    ep = episodes[key]
+                    text = self._model_turn(ep, s)
+                    if text:
+                        calls[pool.submit(self._step, (ep, text))] = ep
+                if calls and not stream.busy:  # nothing to sample: wait for an answer
+                    wait(calls, return_when=FIRST_COMPLETED)
+                for f in sorted((f for f in calls if f.done()), key=lambda f: calls[f].key):
+                    ep = calls.pop(f)
+                    if self._answer(ep, f.result()):
+                        rnd = ep.model_turns  # the barrier's round of this turn
+                        seed = None if params.seed is None else params.seed + 1_000_003 * rnd
+                        nxt = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=ep.left)
+                        stream.add(ep.key, ep.prompt + ep.ids, nxt, ep.key)
+            ended = True
+        finally:
+            stream.close()
             pool.shutdown(wait=ended, cancel_futures=True)
         return [ep.sample() for ep in episodes]
 

@@ -264,6 +264,13 @@ class VLLMEngine:
                 )
         return samples
 
+    def turn_stream(self, desc: str = "turns", progress: bool = True):
+        """The turn loop's per-episode scheduling on this engine: one request per turn,
+        added and taken back one engine step at a time (grpo_core/engines/vllm_stream.py)."""
+        from grpo_core.engines.vllm_stream import TurnStream
+
+        return TurnStream(self, desc, progress)
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load ``state_dict`` (HF names, any device/dtype) into the running engine."""
         weights = [(k, v.detach()) for k, v in state_dict.items()]
