@@ -34,8 +34,11 @@ The tool calls run on one pool of ``rollout.tool_workers`` threads for the whole
 default the next turn waits for every call of the turn before (one barrier per turn); with
 ``rollout.tool_wait_s`` it waits that long, then samples the episodes whose calls have
 answered (if none has, it waits for the first answer), and a late episode joins a later
-round while its call holds its worker (:meth:`_Episodes._rounds`). Nothing here imports
-prefect, mlflow or ray.
+round while its call holds its worker (:meth:`_Episodes._rounds`). An engine that takes
+requests between steps (vLLM's ``turn_stream``: grpo_core/engines/vllm_stream.py) is driven
+per episode instead when ``tool_wait_s`` is set: each turn a request of its own, added as
+soon as its episode may go on (:meth:`_Episodes._streamed`). Nothing here imports prefect,
+mlflow or ray.
 """
 
 from __future__ import annotations
