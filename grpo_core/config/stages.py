@@ -206,7 +206,8 @@ class RolloutConfig(Section):
         "whose calls are answered go on without them (if none has answered, it waits for the "
         "first answer; a late episode joins a later turn's batch); null: every call, one "
         "barrier per turn, bit-reproducible samples. Set, samples depend on timing whenever a "
-        "call is late (docs/tools.md)",
+        "call is late on the hf engine; the vllm engine then runs each turn as a request of "
+        "its own, seeded on its own (docs/tools.md)",
     )
     functions: list[str] = Field(
         default_factory=list,

@@ -42,7 +42,8 @@ class ToolSpec:
     # the same isolation, limits and outputs either way
     tool_sandbox: str = "warm"
     # how long a turn waits for its slowest tool calls (seconds) before the episodes whose
-    # calls are answered go on without them (grpo_core/engines/turns.py); None: every call
+    # calls are answered go on without them (grpo_core/engines/turns.py; an engine with a
+    # turn_stream, vLLM, runs each turn as a request of its own instead); None: every call
     # (a barrier per turn, and bit-reproducible samples)
     tool_wait_s: float | None = None
 
