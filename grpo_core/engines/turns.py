@@ -251,10 +251,10 @@ class _Episodes:
         workers = self.spec.tool_workers or os.cpu_count() or 1
         pool, ended, calls = ThreadPoolExecutor(max_workers=workers), False, {}
         try:
-            for ep in episodes:  # the first turns: as _first_turns seeds them
-                first = dataclasses.replace(
-                    params, max_new_tokens=min(ep.left, params.max_new_tokens)
-                )
+            for ep in episodes:  # the first turns: as _first_turns seeds them (an episode
+                # without room samples one token, cut as in _model_turn: ends "length")
+                most = max(1, min(ep.left, params.max_new_tokens))
+                first = dataclasses.replace(params, max_new_tokens=most)
                 if plain:
                     stream.add(ep.key, prompt_ids[ep.prompt_index], first, ep.prompt_index,
                                ep.sample_index)  # fmt: skip

