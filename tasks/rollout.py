@@ -169,7 +169,8 @@ def tool_metrics(samples: list, seconds: float) -> dict:
     """Per rollout with an environment: tool calls per completion, the share of calls that
     failed, model turns per completion, the share of completion tokens the environment
     added, and the share of the rollout's wall time the calls took (their seconds summed
-    over the tool workers)."""
+    over the tool workers: calls that run at once, or while other episodes sample, each
+    count in full, so the share can pass 1 when the calls are off the critical path)."""
     tools = [t for s in samples for t in s.turns or () if t["role"] == "tool"]
     turns = sum(sum(t["role"] == "assistant" for t in s.turns or ()) for s in samples)
     total = sum(len(s.completion_ids) for s in samples)
