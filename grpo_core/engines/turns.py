@@ -43,6 +43,7 @@ mlflow or ray.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import os
@@ -222,15 +223,22 @@ class _Episodes:
             for i, s in enumerate(samples)
             for o in [opens[s.prompt_index * params.n + s.sample_index]]
         ]  # fmt: skip
-        workers = self.spec.tool_workers or os.cpu_count() or 1
-        pool, ended = ThreadPoolExecutor(max_workers=workers), False
-        try:
+        with self._call_pool() as pool:
             self._rounds(list(zip(episodes, samples, strict=True)), params, pool)
-            ended = True
-        finally:  # leaving on an error: calls not started are dropped, and the error is not
-            # held up by a running one (the python tool's ends within tool_timeout_s)
-            pool.shutdown(wait=ended, cancel_futures=True)
         return [ep.sample() for ep in episodes]
+
+    @contextlib.contextmanager
+    def _call_pool(self):
+        """The ``tool_workers`` threads the loop's calls run on. Leaving on an error: calls
+        not started are dropped, and the error is not held up by a running one (the python
+        tool's ends within tool_timeout_s)."""
+        pool = ThreadPoolExecutor(max_workers=self.spec.tool_workers or os.cpu_count() or 1)
+        ended = False
+        try:
+            yield pool
+            ended = True
+        finally:
+            pool.shutdown(wait=ended, cancel_futures=True)
 
     def _streamed(self, prompt_ids, opens, params: SamplingParams, turn_stream) -> list[Sample]:
         """Per-episode scheduling, on an engine with a ``turn_stream`` (vLLM's continuous
@@ -248,38 +256,42 @@ class _Episodes:
             for i, o in enumerate(opens)
         ]  # fmt: skip
         stream = turn_stream(self.desc, self.progress)
-        workers = self.spec.tool_workers or os.cpu_count() or 1
-        pool, ended, calls = ThreadPoolExecutor(max_workers=workers), False, {}
         try:
-            for ep in episodes:  # the first turns: as _first_turns seeds them (an episode
-                # without room samples one token, cut as in _model_turn: ends "length")
-                most = max(1, min(ep.left, params.max_new_tokens))
-                first = dataclasses.replace(params, max_new_tokens=most)
-                if plain:
-                    stream.add(ep.key, prompt_ids[ep.prompt_index], first, ep.prompt_index,
-                               ep.sample_index)  # fmt: skip
-                else:
-                    stream.add(ep.key, ep.prompt, dataclasses.replace(first, n=1), ep.key)
-            while stream.busy or calls:
-                for key, s in stream.step() if stream.busy else ():
-                    ep = episodes[key]
-                    text = self._model_turn(ep, s)
-                    if text:
-                        calls[pool.submit(self._step, (ep, text))] = ep
-                if calls and not stream.busy:  # nothing to sample: wait for an answer
-                    wait(calls, return_when=FIRST_COMPLETED)
-                for f in sorted((f for f in calls if f.done()), key=lambda f: calls[f].key):
-                    ep = calls.pop(f)
-                    if self._answer(ep, f.result()):
-                        rnd = ep.model_turns  # the barrier's round of this turn
-                        seed = None if params.seed is None else params.seed + 1_000_003 * rnd
-                        nxt = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=ep.left)
-                        stream.add(ep.key, ep.prompt + ep.ids, nxt, ep.key)
-            ended = True
+            with self._call_pool() as pool:
+                self._stream(stream, episodes, prompt_ids if plain else None, params, pool)
         finally:
             stream.close()
-            pool.shutdown(wait=ended, cancel_futures=True)
         return [ep.sample() for ep in episodes]
+
+    def _stream(self, stream, episodes, prompt_ids, params: SamplingParams, pool) -> None:
+        """:meth:`_streamed`'s loop: every first turn into ``stream`` (of ``prompt_ids``
+        where given, seeded as :meth:`_first_turns` seeds them, else of each episode's own
+        prompt), then engine steps until no turn and no call is left."""
+        calls = {}
+        for ep in episodes:  # an episode without room samples one token, cut as in
+            # _model_turn (it ends "length")
+            first = dataclasses.replace(
+                params, max_new_tokens=max(1, min(ep.left, params.max_new_tokens))
+            )
+            if prompt_ids is not None:
+                stream.add(ep.key, prompt_ids[ep.prompt_index], first, ep.prompt_index,
+                           ep.sample_index)  # fmt: skip
+            else:
+                stream.add(ep.key, ep.prompt, dataclasses.replace(first, n=1), ep.key)
+        while stream.busy or calls:
+            for key, s in stream.step() if stream.busy else ():
+                text = self._model_turn(episodes[key], s)
+                if text:
+                    calls[pool.submit(self._step, (episodes[key], text))] = episodes[key]
+            if calls and not stream.busy:  # nothing to sample: wait for an answer
+                wait(calls, return_when=FIRST_COMPLETED)
+            for f in sorted((f for f in calls if f.done()), key=lambda f: calls[f].key):
+                ep = calls.pop(f)
+                if self._answer(ep, f.result()):
+                    rnd = ep.model_turns  # the barrier's round of this turn
+                    seed = None if params.seed is None else params.seed + 1_000_003 * rnd
+                    nxt = dataclasses.replace(params, n=1, seed=seed, max_new_tokens=ep.left)
+                    stream.add(ep.key, ep.prompt + ep.ids, nxt, ep.key)
 
     def _rounds(self, active, params: SamplingParams, pool) -> None:
         """Turn after turn until every episode has ended. Each round appends the model

@@ -69,8 +69,7 @@ class TurnStream:
         rid = f"turn-{next(_IDS)}"
         self.core.add_request(rid, prompt, sp, lora_request=self.engine.lora_request)
         self.open[rid] = key
-        self.bar.total += 1
-        self.bar.refresh()
+        self.bar.total += 1  # shown at the next update (a refresh per turn floods a log)
 
     def step(self) -> list[tuple[int, Sample]]:
         """One engine step; the turns it finished, with their episodes' keys."""
