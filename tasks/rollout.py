@@ -168,13 +168,16 @@ def _generation_metrics(samples: list, seconds: float) -> dict:
 def tool_metrics(samples: list, seconds: float) -> dict:
     """Per rollout with an environment: tool calls per completion, the share of calls that
     failed, model turns per completion, the share of completion tokens the environment
-    added, and the share of the rollout's wall time the calls took (their seconds summed
-    over the tool workers: calls that run at once, or while other episodes sample, each
-    count in full, so the share can pass 1 when the calls are off the critical path)."""
+    added, the share of the rollout's wall time the calls took (their seconds summed over
+    the tool workers: calls that run at once, or while other episodes sample, each count in
+    full, so the share can pass 1 when the calls are off the critical path), and the share
+    the turn loop stood still waiting for calls with nothing to sample (``stalled``: the
+    critical path's part)."""
     tools = [t for s in samples for t in s.turns or () if t["role"] == "tool"]
     turns = sum(sum(t["role"] == "assistant" for t in s.turns or ()) for s in samples)
     total = sum(len(s.completion_ids) for s in samples)
     env_tokens = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples if s.loss_mask)
+    stalled = sum(t.get("stalled") or 0.0 for s in samples for t in s.turns or ())
     return {
         "tools/calls_per_completion": len(tools) / len(samples),
         "tools/error_rate": sum(t["error"] is not None for t in tools) / max(1, len(tools)),
@@ -182,6 +185,8 @@ def tool_metrics(samples: list, seconds: float) -> dict:
         "tools/token_share": env_tokens / max(1, total),
         "tools/seconds": sum(t["seconds"] for t in tools),
         "tools/time_share": sum(t["seconds"] for t in tools) / max(seconds, 1e-9),
+        "tools/stall_s": stalled,
+        "tools/stall_share": stalled / max(seconds, 1e-9),
     }
 
 

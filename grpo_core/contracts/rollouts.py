@@ -44,9 +44,10 @@ ROLLOUT_COLUMNS = {
 EPISODE_COLUMNS = {
     "loss_mask": "per completion token: 1 the model wrote it, 0 an environment added it (no "
     "loss); absent: every token the model's",
-    "turns": "the episode's turns, each {role, start, end, text, error, seconds}: the token "
-    "span in the completion, its text, a tool call's error (null: it ran) and wall time; "
-    "absent: one assistant turn",
+    "turns": "the episode's turns, each {role, start, end, text, error, seconds, stalled}: "
+    "the token span in the completion, its text, a tool call's error (null: it ran) and wall "
+    "time, and the seconds the turn loop stood still waiting for that call with nothing to "
+    "sample; absent: one assistant turn",
     "tool_calls": "tool calls in the episode",
     "tool_errors": "tool calls that failed (raised, timed out, were killed)",
     "tool_time_s": "the episode's tool calls' wall time",
@@ -82,7 +83,8 @@ OPTIONAL_COLUMNS = (
     *POLICY_LOGPROB_COLUMNS,
     *EPISODE_PROMPT_COLUMNS,
 )
-EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0}
+EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0,
+              "stalled": 0.0}  # fmt: skip
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
     "error_<fn>": "error raised by reward function <fn> for this row (null: none)",

@@ -154,6 +154,8 @@ class _Episode:
     opened: Any = None  # the prompt as the environment's reset() extended it (None: as given)
     policy: list[float] | None = None  # the policy's own log-probs (Sample.policy_logprobs)
     key: int = 0  # its index among the call's episodes (the engine's kept KV)
+    answered: float = 0.0  # perf_counter when its last call answered
+    stalled: float = 0.0  # seconds the loop stood still for its pending call (recorded next)
 
     def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
             policy=None) -> None:  # fmt: skip
@@ -164,8 +166,10 @@ class _Episode:
             self.policy = (self.policy or []) + list(policy or [0.0] * len(ids))
         self.mask += [1 if role == "assistant" else 0] * len(ids)
         self.left -= len(ids)
+        stalled, self.stalled = (self.stalled, 0.0) if role == "tool" else (0.0, self.stalled)
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
-                           "error": error, "seconds": round(seconds, 4)})  # fmt: skip
+                           "error": error, "seconds": round(seconds, 4),
+                           "stalled": round(stalled, 4)})  # fmt: skip
 
     @property
     def model_turns(self) -> int:
@@ -173,6 +177,10 @@ class _Episode:
 
     def sample(self) -> Sample:
         from grpo_core.engines.generation import Sample
+
+        if self.stalled and self.turns:  # a call that ended the episode: no tool turn
+            self.turns[-1]["stalled"] = round(self.turns[-1]["stalled"] + self.stalled, 4)
+            self.stalled = 0.0
 
         return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
                       self.mask, self.turns, env=_env_reward(self.env),
@@ -284,7 +292,11 @@ class _Episodes:
                 if text:
                     calls[pool.submit(self._step, (episodes[key], text))] = episodes[key]
             if calls and not stream.busy:  # nothing to sample: wait for an answer
-                wait(calls, return_when=FIRST_COMPLETED)
+                t0 = time.perf_counter()
+                done, _ = wait(calls, return_when=FIRST_COMPLETED)
+                min((calls[f] for f in done), key=lambda ep: ep.answered).stalled += (
+                    time.perf_counter() - t0
+                )
             for f in sorted((f for f in calls if f.done()), key=lambda f: calls[f].key):
                 ep = calls.pop(f)
                 if self._answer(ep, f.result()):
@@ -310,9 +322,14 @@ class _Episodes:
                     self.kept.drop(ep.key)
             if not calls:
                 return
+            t0 = time.perf_counter()
             done, _ = wait(calls, timeout=wait_s, return_when=ALL_COMPLETED)
             if not done:  # every call is late: the first answer starts the round
                 done, _ = wait(calls, return_when=FIRST_COMPLETED)
+            # the wait's seconds go to the call the loop waited for: the last to answer
+            max((calls[f] for f in done), key=lambda ep: ep.answered).stalled += (
+                time.perf_counter() - t0
+            )
             going = []
             for ep, obs in sorted(((calls.pop(f), f.result()) for f in done),
                                   key=lambda answer: answer[0].key):  # fmt: skip
@@ -403,6 +420,8 @@ class _Episodes:
             error = f"{type(exc).__name__}: {exc}"[:300]
             body = f"{self.spec.tool_result_start}{error}{self.spec.tool_result_end}"
             return Observation(body, error, time.perf_counter() - start)
+        finally:
+            ep.answered = time.perf_counter()
 
     def _answer(self, ep: _Episode, obs: Observation | None) -> bool:
         """Append the observation's tokens (within the budget); whether the episode goes

@@ -110,3 +110,44 @@ def test_the_knob_reaches_the_spec_and_the_key_only_when_set():
     assert spec.tool_wait_s == 0.2 and spec.as_dict()["wait_s"] == 0.2
     with pytest.raises(ValueError, match="tool_wait_s"):
         RolloutConfig(tools=["python"], tool_wait_s=-1)
+
+
+class OneSlowCall:
+    """Episode 1's first call takes 0.3 s; every other call answers at once."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def start(self, row):
+        return _SlowOnce(row["i"])
+
+
+class _SlowOnce:
+    def __init__(self, i):
+        self.i, self.turn = i, 0
+
+    def step(self, text):
+        import time
+
+        self.turn += 1
+        if self.i == 1 and self.turn == 1:
+            time.sleep(0.3)
+        return Observation("<tool_response>77</tool_response>")
+
+
+def test_the_barriers_wait_is_recorded_on_the_call_it_waited_for(clocked):
+    """``stalled``: the seconds the loop stood still for a call. Under the barrier the wait
+    for the slow call is recorded on its turn, and the rollout's ``tools/stall_s`` sums it;
+    the instant calls' turns record next to nothing."""
+    from tasks.rollout import tool_metrics
+
+    model, tok = clocked
+    rows = [{"i": i} for i in range(EPISODES)]
+    samples = _run(model, tok, "OneSlowCall", None, rows)
+    slow = [t for t in samples[1].turns if t["role"] == "tool"][0]
+    assert slow["stalled"] >= 0.25
+    others = [t["stalled"] for s in samples for t in s.turns if t is not slow]
+    assert sum(others) < 0.25
+    got = tool_metrics(samples, 2.0)
+    assert got["tools/stall_s"] == pytest.approx(slow["stalled"] + sum(others))
+    assert got["tools/stall_share"] == pytest.approx(got["tools/stall_s"] / 2.0)
