@@ -62,6 +62,7 @@ from grpo_core.contracts.observations import (
 )
 from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
 from grpo_core.engines.openings import completion_budget, open_episodes
+from grpo_core.engines.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample, SamplingParams
@@ -140,56 +141,6 @@ def run_turns(
 
 
 @dataclass
-class _Episode:
-    prompt: list[int]
-    prompt_index: int
-    sample_index: int
-    env: Any  # the environment's Episode
-    left: int  # tokens of the trajectory's budget still free
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    turns: list[dict] = field(default_factory=list)
-    finish: str = "stop"
-    opened: Any = None  # the prompt as the environment's reset() extended it (None: as given)
-    policy: list[float] | None = None  # the policy's own log-probs (Sample.policy_logprobs)
-    key: int = 0  # its index among the call's episodes (the engine's kept KV)
-    answered: float = 0.0  # perf_counter when its last call answered
-    stalled: float = 0.0  # seconds the loop stood still for its pending call (recorded next)
-
-    def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
-            policy=None) -> None:  # fmt: skip
-        start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs
-        if policy is not None or self.policy is not None:  # tool tokens: 0, as logprobs
-            self.policy = (self.policy or []) + list(policy or [0.0] * len(ids))
-        self.mask += [1 if role == "assistant" else 0] * len(ids)
-        self.left -= len(ids)
-        stalled, self.stalled = (self.stalled, 0.0) if role == "tool" else (0.0, self.stalled)
-        self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
-                           "error": error, "seconds": round(seconds, 4),
-                           "stalled": round(stalled, 4)})  # fmt: skip
-
-    @property
-    def model_turns(self) -> int:
-        return sum(t["role"] == "assistant" for t in self.turns)
-
-    def sample(self) -> Sample:
-        from grpo_core.engines.generation import Sample
-
-        if self.stalled and self.turns:  # a call that ended the episode: no tool turn
-            self.turns[-1]["stalled"] = round(self.turns[-1]["stalled"] + self.stalled, 4)
-            self.stalled = 0.0
-
-        return Sample(self.prompt_index, self.sample_index, self.ids, self.logprobs, self.finish,
-                      self.mask, self.turns, env=_env_reward(self.env),
-                      policy_logprobs=self.policy,
-                      prompt_ids=None if self.opened is None else self.prompt,
-                      prompt=self.opened)  # fmt: skip
-
-
-@dataclass
 class _Episodes:
     """One call's episodes, turn by turn."""
 
@@ -225,7 +176,7 @@ class _Episodes:
             return self._streamed(prompt_ids, opens, params, stream)
         samples = self._first_turns(prompt_ids, opens, params)
         episodes = [
-            _Episode(o.ids, s.prompt_index, s.sample_index, o.episode,
+            Trajectory(o.ids, s.prompt_index, s.sample_index, o.episode,
                      completion_budget(o, params.max_new_tokens, self.context),
                      opened=o.prompt, key=i)
             for i, s in enumerate(samples)
@@ -258,7 +209,7 @@ class _Episodes:
         not depend on when its calls answer."""
         n, plain = params.n, all(o.prompt is None for o in opens)
         episodes = [
-            _Episode(o.ids, i // n, i % n, o.episode,
+            Trajectory(o.ids, i // n, i % n, o.episode,
                      completion_budget(o, params.max_new_tokens, self.context),
                      opened=o.prompt, key=i)
             for i, o in enumerate(opens)
@@ -384,7 +335,7 @@ class _Episodes:
             for i, s in enumerate(outs)
         ]
 
-    def _model_turn(self, ep: _Episode, s) -> str | None:
+    def _model_turn(self, ep: Trajectory, s) -> str | None:
         """Append the model's turn (within the budget); its text when it calls a tool and
         the episode may go on, else None (the episode is over)."""
         tok = self.engine.tokenizer
@@ -409,7 +360,7 @@ class _Episodes:
             return tok.decode(ids, skip_special_tokens=False)
         return call_turn(tok, ids, self.spec.tool_call_end)
 
-    def _step(self, call: tuple[_Episode, str]) -> Observation | None:
+    def _step(self, call: tuple[Trajectory, str]) -> Observation | None:
         """The episode's answer to a turn; an environment that raises answers with its error
         (recorded in the turn, the episode goes on)."""
         ep, text = call
@@ -423,7 +374,7 @@ class _Episodes:
         finally:
             ep.answered = time.perf_counter()
 
-    def _answer(self, ep: _Episode, obs: Observation | None) -> bool:
+    def _answer(self, ep: Trajectory, obs: Observation | None) -> bool:
         """Append the observation's tokens (within the budget); whether the episode goes
         on."""
         if obs is None:  # the environment ends the episode
@@ -447,7 +398,7 @@ class _Episodes:
         return True
 
 
-def _turn_label(going: list[_Episode]) -> str:
+def _turn_label(going: list[Trajectory]) -> str:
     """The progress bar's label of a round: the model turn(s) it samples."""
     turns = sorted({ep.model_turns + 1 for ep in going})
     return f"turn {turns[0]}" if len(turns) == 1 else f"turns {turns[0]}-{turns[-1]}"
@@ -461,19 +412,3 @@ def _takes_budgets(engine) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == "budgets" or p.kind is p.VAR_KEYWORD for p in params)
-
-
-def _env_reward(episode) -> dict | None:
-    """The episode's own reward once it has ended (its ``reward()``: a number or None),
-    with the error when it raises or returns something else; None when it has no
-    ``reward()``."""
-    ask = getattr(episode, "reward", None)
-    if not callable(ask):
-        return None
-    try:
-        value = ask()
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise TypeError(f"reward() returned {type(value).__name__}, expected a number or None")
-        return {"reward": None if value is None else float(value), "error": None}
-    except Exception as exc:
-        return {"reward": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
