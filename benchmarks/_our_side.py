@@ -86,12 +86,12 @@ def run_rl(args) -> None:
     from cluster import process
     from flows.recipe import STAGES, RecipeRun, rl_inputs
     from flows.rl import rl_stage
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.workspace import Workspace
 
-    # in `grpo run` the cold-start policy is in memory when rl_1 starts (the learner: tasks/policies/lineage.py)
+    # in `grpo run` the cold-start policy is in memory when rl_1 starts (the learner: tasks/policies/trainer.py)
     process.load_policies_with(cfg.model)
-    lineage.learner_at(start["checkpoint"])
+    open_trainer().learner_at(start["checkpoint"])
 
     run_dir = Path(args.run_dir)
     ws = Workspace.create(run_dir, "ours")  # a fresh run folder: nothing cached

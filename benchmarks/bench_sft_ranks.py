@@ -33,7 +33,7 @@ def train(arm: str, seed: int, steps: int, out: Path) -> dict:
     from grpo_core.config.stages import SFTConfig
     from grpo_core.demo.model import save_base_model
     from grpo_core.demo.task import make_splits
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.sft import run_sft
 
     demo = load_config(None)  # the packaged demo preset
@@ -57,7 +57,7 @@ def train(arm: str, seed: int, steps: int, out: Path) -> dict:
     runtime.configure(cluster)
     if ray:
         runtime.ensure_ray(cluster)
-    lineage.forget()
+    open_trainer().forget()
     start = time.perf_counter()
     try:
         res = run_sft(stage="cold_start_sft", init_checkpoint=str(base), data_path=str(data),
@@ -68,12 +68,12 @@ def train(arm: str, seed: int, steps: int, out: Path) -> dict:
             runtime.shutdown()
         runtime.configure(ClusterConfig())
     wall = time.perf_counter() - start
-    lineage.forget()
-    w = lineage.handle(str(ckpt))
+    open_trainer().forget()
+    w = open_trainer().handle(str(ckpt))
     acc = evaluate(
         w.model, w.tokenizer, splits.eval, max_new_tokens=demo.eval.max_completion_length
     )
-    lineage.forget()
+    open_trainer().forget()
     return {"seed": seed, "arm": arm, "steps": res.steps, "final_loss": res.final_loss,
             "held_out": acc.accuracy, "wall_s": wall}  # fmt: skip
 

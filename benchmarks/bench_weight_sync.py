@@ -54,9 +54,9 @@ def _save_model(folder: Path, a) -> Path:
 
 def _warm_on_rank(data_parallel, *, checkpoint: str) -> str:
     """A trainer rank holds ``checkpoint`` as its warm policy (as after an update)."""
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
 
-    return lineage.handle(checkpoint).policy_id
+    return open_trainer().handle(checkpoint).policy_id
 
 
 def _row(cfg, checkpoint: Path, how: str, a) -> dict:

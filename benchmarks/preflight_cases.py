@@ -283,6 +283,11 @@ TOOL_CASES = [
             ("over_ram", "rollout.tool_memory_mb=4000000", ["tool_memory_mb", "MiB"]),
             ("no_markers", "model.demo.vocabulary=addition", ["rollout.tool_call_start"]),
             ("unknown_marker", "rollout.tool_call_end=</call>", ["'</call>'", "vocabulary"]),
+            (
+                "unspelled_mark",
+                "rollout.tool_truncation_mark=...(truncated)",
+                ["rollout.tool_truncation_mark", "vocabulary"],
+            ),  # fmt: skip
             ("same_markers", "rollout.tool_call_end=<tool_call>", ["tool_call_end"]),
             ("one_turn", "rollout.max_turns=1", ["rollout.max_turns=1"]),
             ("sft_mask", "sft.mask_spans=[[a, b]]", ["sft.mask_spans", "tool's output"]),

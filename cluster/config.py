@@ -22,8 +22,20 @@ class WorkerSettings(Section):
     num_gpus: float = Field(0.0, ge=0, description="GPUs each worker reserves")
 
 
+PLACEMENT = (
+    "how the role's actors are placed over the cluster's nodes: pack (as few nodes as "
+    "hold them, Ray's PACK) or spread (as many as can, Ray's SPREAD); on one node the same"
+)
+
+
 class RolloutSettings(WorkerSettings):
     """The rollout replicas, and how a new policy reaches them."""
+
+    placement: Literal["pack", "spread"] = Field(
+        "spread",
+        description=PLACEMENT + ". Replicas never talk to each other: spread gives each its "
+        "node's memory bandwidth, and a lost node takes fewer of them",
+    )
 
     weight_sync: Literal["auto", "broadcast", "checkpoint"] = Field(
         "auto",
@@ -41,6 +53,13 @@ class RolloutSettings(WorkerSettings):
 class TrainerSettings(WorkerSettings):
     """The trainer role's workers and how its ranks train together."""
 
+    placement: Literal["pack", "spread"] = Field(
+        "pack",
+        description=PLACEMENT + ". The ranks all-reduce every step: pack keeps that inside a "
+        "node where the ranks fit (a larger group still spans nodes); spread puts them on "
+        "different nodes, each with its own memory, at the price of the network",
+    )
+
     dist_backend: Literal["gloo", "nccl"] = Field(
         "gloo", description="torch.distributed backend of the trainer ranks (nccl on GPUs)"
     )
@@ -54,6 +73,15 @@ class TrainerSettings(WorkerSettings):
         description="strategy fsdp: the dtype a layer is all-gathered and computed in (FSDP2 "
         "MixedPrecisionPolicy; shards, AdamW state and the gradient reduction stay float32); "
         "bfloat16 halves the all-gathers' bytes (with rl.bf16); None: the weights' dtype",
+    )
+    max_restarts: int = Field(
+        1,
+        ge=0,
+        description="times one update (or SFT) starts a new trainer group after a rank died "
+        "(killed, out of memory, its node lost) and redoes the work: the new ranks load the "
+        "policy it starts from again (its kept checkpoint and train state, else replayed from "
+        "the iteration records), so the run ends with the weights it would have had; a rank "
+        "that raises is not retried. 0: the run stops with one line, and a rerun continues",
     )
 
 

@@ -61,7 +61,7 @@ class Snapshot:
 
 
 def snapshot(policy, source: str | Path, policy_id: str | None = None) -> Snapshot:
-    """``policy``'s weights (a handle on them: tasks/policies/lineage.py) copied now into shared memory, named
+    """``policy``'s weights (a handle on them: tasks/policies/trainer.py) copied now into shared memory, named
     ``policy_id`` (default: the policy's); its tokenizer copied too (the trainer thread
     keeps using the original)."""
     state = pack(dict(_state(policy)))

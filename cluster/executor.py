@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 class Policy(Protocol):
     """The policy to sample from: its weights in memory and the checkpoint they came from
-    (a read-only handle: tasks/policies/lineage.py)."""
+    (a read-only handle: tasks/policies/trainer.py)."""
 
     checkpoint: Path
     policy_id: str
@@ -247,21 +247,31 @@ class OnRay(Local):
     ):
         """``on_rank(data_parallel, **kwargs)`` on every rank of the trainer group; rank 0
         writes ``out_checkpoint`` (maybe on another node) and shares it through the store. A
-        failed group leaves no temporary checkpoint beside it."""
+        failed group leaves no temporary checkpoint beside it. A group that lost a rank is
+        started again and the work redone, up to ``cluster.trainer.max_restarts`` times:
+        the new ranks hold nothing, so the update's ``learner_for`` loads the policy version
+        it starts from explicitly (tasks/policies/trainer.py), as a resumed run does."""
         from cluster import storage
-        from cluster.trainer_group import TrainerGroupError, trainer_group
+        from cluster.trainer_group import ROLE, TrainerGroupError, trainer_group
 
-        try:
-            result = trainer_group(self.cfg).run(on_rank, kwargs, what=what)
+        restarts = self.cfg.trainer.max_restarts
+        for attempt in range(restarts + 1):
+            try:
+                result = trainer_group(self.cfg).run(on_rank, kwargs, what=what)
+            except TrainerGroupError as e:
+                out = Path(out_checkpoint)
+                for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
+                    shutil.rmtree(tmp, ignore_errors=True)
+                if not e.lost or attempt == restarts:
+                    raise
+                log.warning("%s; starting a new %s group (restart %d of %d): its ranks load "
+                            "the policy again and redo the work", e, ROLE, attempt + 1,
+                            restarts)  # fmt: skip
+                continue
             for path in storage.pull(out_checkpoint):
                 log.info("pulled %s from the shared store", path)
             storage.mark_synced(out_checkpoint)
             return result
-        except TrainerGroupError:
-            out = Path(out_checkpoint)
-            for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
 
 
 def trainer_threads(cfg: ClusterConfig, now: int) -> int:

@@ -9,7 +9,7 @@
 - ``stats``: loads from disk, hits, replays (the tests and benchmarks read them).
 
 This module only holds them. Which one a task gets, and how an iteration's policy whose
-weights are neither here nor on disk is made again, is tasks/policies/lineage.py's.
+weights are neither here nor on disk is made again, is tasks/policies/trainer.py's.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the data-parallel update's ranks, the benchmarks). What it holds:
 - ``store`` / ``store_env``: the run folder's shared store (cluster/storage.py), or None, and
   the ``GRPO_STORAGE`` value it was last read from (a parent process passes its store to
   the processes it starts through that variable);
-- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policies/lineage.py
+- ``model``: how policies are loaded (``model.dtype``, ``lora``, ...: tasks/policies/trainer.py
   loads with it, and the stage cache keys name what of it changes results).
 
 What else a process keeps are caches and records of what it has open, each beside the code

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from cluster.config import WorkerSettings
+from cluster.config import RolloutSettings
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample
@@ -207,6 +207,12 @@ class Replica:
     def pid(self) -> int:
         return os.getpid()
 
+    def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 def takes_adapters(engine_options: Mapping | None) -> bool:
     """Whether a replica of these engine options takes LoRA adapters instead of weights
@@ -215,15 +221,17 @@ def takes_adapters(engine_options: Mapping | None) -> bool:
     return opts.get("lora_sync") == "adapter" and bool(opts.get("lora_rank"))
 
 
-def actor_options(group: WorkerSettings) -> dict:
+def actor_options(group: RolloutSettings) -> dict:
     """Ray resources of one replica, and ``OMP_NUM_THREADS`` for its torch threads: the
     driver's value when set, else 1 (a few replicas share a machine's cores), and the run's
     shared store (cluster/storage.py)."""
     from cluster import storage
 
     threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    spread = group.placement == "spread"  # cluster/config.py: PLACEMENT
     return {
         "num_cpus": group.num_cpus,
         "num_gpus": group.num_gpus,
         "runtime_env": {"env_vars": {**threads, **storage.env()}},
+        **({"scheduling_strategy": "SPREAD"} if spread else {}),
     }

@@ -30,5 +30,5 @@ def load_policies_with(model: ModelConfig) -> None:
     """How this process loads policies from now on: the run context's ``model`` section, or
     the one a trainer rank is handed (cluster/trainer_group.py runs ranks in other
     processes). Models already in memory that were loaded otherwise are not reused
-    (tasks/policies/lineage.py)."""
+    (tasks/policies/trainer.py)."""
     STATE.model = model

@@ -14,7 +14,9 @@ actor trained stays in that actor's memory (its learner: cluster/policies.py) fo
 
 A rank that dies or raises ends the whole group (the others would wait in a collective
 forever): every actor is killed and :class:`TrainerGroupError` names the role, the rank and
-what was running (``rl_1 iteration 3 update``). The next call starts a fresh group.
+what was running (``rl_1 iteration 3 update``). The next call starts a fresh group; the
+executor (cluster/executor.py: ``OnRay.update``) makes that call itself, up to
+``cluster.trainer.max_restarts`` times, when the rank died (``lost``) rather than raised.
 """
 
 from __future__ import annotations
@@ -44,7 +46,12 @@ log = logging.getLogger(__name__)
 
 
 class TrainerGroupError(RuntimeError):
-    """A trainer rank died or failed; the group was stopped."""
+    """A trainer rank died or failed; the group was stopped. ``lost``: the rank died (its
+    process or node is gone), so the same work on a new group may succeed; else it raised."""
+
+    def __init__(self, message: str, *, lost: bool = False) -> None:
+        super().__init__(message)
+        self.lost = lost
 
 
 class TrainerWorker:
@@ -92,6 +99,12 @@ class TrainerWorker:
             )
             self.data_parallel = make_data_parallel(self.strategy, param_dtype=self.param_dtype)
         return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def run(self, fn: Callable, kwargs: dict) -> Any:
         """``fn(data_parallel, **kwargs)``; rank 0 returns its result, the others ``None``."""
@@ -144,7 +157,7 @@ class TrainerGroup:
         }
         if bundle:
             _check_fits(ray, cfg)
-            self.placement = placement_group([bundle] * g.workers, strategy="PACK")
+            self.placement = placement_group([bundle] * g.workers, strategy=g.placement.upper())
             ready, _ = ray.wait([self.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
             if not ready:
                 remove_placement_group(self.placement)
@@ -220,7 +233,8 @@ class TrainerGroup:
                     why = "died (killed, out of memory, or its node was lost)"
                 raise TrainerGroupError(
                     f"{what}: {ROLE} worker rank {rank} of {self.size} (pid "
-                    f"{self.pids[rank]}) {why}; the {ROLE} group was stopped"
+                    f"{self.pids[rank]}) {why}; the {ROLE} group was stopped",
+                    lost=not isinstance(e, RayTaskError),
                 ) from e
         return ray.get(refs[0])
 

@@ -60,14 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     apply_defaults(cfg.output_dir)
     RunContext.open(cfg)  # every rank pulls what its node lacks from storage.url (if set)
     from grpo_core.training.distributed import process_group
-    from tasks.policies import lineage, loading
+    from tasks.policies import loading
+    from tasks.policies.trainer import open_trainer
     from tasks.update import UpdateRequest, update_from_file
 
     with process_group(args.backend, args.strategy, args.fsdp_param_dtype) as dp:
         reference = args.reference or args.policy
         request = UpdateRequest(args.policy, args.scored, args.out, cfg.rl,
                                 reference_checkpoint=reference, seed=args.seed)  # fmt: skip
-        res = update_from_file(request, data_parallel=dp)
+        trainer = open_trainer()
+        res = update_from_file(request, data_parallel=dp, trainer=trainer)
         if dp.rank == 0:
             last = res.history[-1] if res.history else {}
             summary = {
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": res.seconds,
                 "loss": last.get("loss"),
                 # the model the ranks trained, as the config's model section loaded it
-                "model": loading.describe(lineage.held().learner.model),
+                "model": loading.describe(trainer.held().learner.model),
             }
             print(json.dumps(summary), flush=True)
     return 0

@@ -27,7 +27,7 @@ from flows.recipe import FINAL_STAGE, RECIPE, STAGES, RecipeRun, same_evaluation
 from flows.run_context import RunContext
 from flows.run_names import named
 from flows.summary import COMPARE_PLOT, publish_pipeline_artifact, run_note
-from grpo_core.engines.functions import tool_declarations
+from grpo_core.engines.factory_env import rollout_declarations
 from tasks.prepare import prepare
 from tasks.tracking.run_states import end_open_runs
 from tasks.tracking.runs import parent_run
@@ -93,7 +93,7 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
             cfg.model,
             cfg.seed,
             ws,
-            tool_declarations(cfg.rollout.functions),
+            rollout_declarations(cfg.rollout),
         )
         run = RecipeRun(cfg, ws, tracking, data)
         for stage in RECIPE:

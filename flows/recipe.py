@@ -75,6 +75,8 @@ def sft_inputs(run: RecipeRun, stage: Stage) -> tuple[tuple, dict]:
     }
     if stage.dev:
         kwargs = {"dev_path": run.data.get(stage.dev), **kwargs}
+        if stage.settings(cfg).target_accuracy is not None:
+            kwargs["accuracy_reward"] = cfg.eval.accuracy_reward
         tools = cfg.rollout.tool_spec()
         if tools and stage.settings(cfg).target_accuracy is not None:
             kwargs["tools"] = tools  # the dev eval samples with the tool, as the evals do

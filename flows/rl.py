@@ -4,8 +4,10 @@ iterations and at the end. Its MLflow curves are plotted against iterations unde
 keys of tasks/tracking/charts.py; its Prefect artifact is flows/rl_report.py's.
 
 Each iteration's rollouts, scores and policy record (tasks/policies/ref.py) land under
-``<stage>/iter_NNNN/``; the policy stays in memory between tasks, held by the learner the
-stage trains (tasks/policies/lineage.py). The full train state is kept every ``rl.save_steps`` iterations and
+``<stage>/iter_NNNN/``. The stage holds its policy as a value (tasks/policies/version.py:
+``PolicyVersion``: the cold start's checkpoint, then each update's record) and opens the
+trainer once (tasks/policies/trainer.py), whose learner keeps the weights in memory between
+tasks. The full train state is kept every ``rl.save_steps`` iterations and
 at the end, written in the background, and only the last ``rl.save_total_limit`` of those
 stay; a rerun that needs an iteration in between replays the updates from the nearest kept
 state on the cached scored files (no generation, no scoring). The stage's final policy is
@@ -34,8 +36,9 @@ from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig, RLConfig
 from grpo_core.contracts.io import atomic_path, link_tree
 from grpo_core.training.checkpoint import POLICY_ID, policy_id, save_checkpoint
-from tasks.policies import lineage
 from tasks.policies import ref as policy_ref
+from tasks.policies.trainer import Trainer, open_trainer
+from tasks.policies.version import PolicyVersion
 from tasks.results import RLStageOutcome
 from tasks.rollout import is_cached, rollout
 from tasks.run_log import logger
@@ -70,15 +73,17 @@ def rl_stage(
     config = {**rl.model_dump(), "rewards": weights, "seed": seed, "engine": settings}
     with stage_run(tracking, stage, {"init_checkpoint": init_checkpoint}, config=config) as run_id:
         _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights)
-        held_out = HeldOut(eval_path, eval_cfg, eval_engine, force)
+        trainer = open_trainer()  # the learner this stage trains, and its lineage
+        held_out = HeldOut(eval_path, eval_cfg, eval_engine, force, trainer)
         log = StageLog(tracking, run_id, stage, held_out, blocks=Blocks(rl, config))
         t0, start_eval = time.perf_counter(), None
         if rl.eval_on_start:  # step 0 of the curves: what RL starts from
             start_eval = log.held_out(init_checkpoint, 0, 0, ws.start_eval_table(stage))
         tasks = _StageTasks(stage, f"{tracking.run_name}/{stage}" if tracking.run_name else stage,
-                            init_checkpoint, rl, rl_path, weights, ws, seed, engine, force)  # fmt: skip
-        saves = SavePoints(ws, stage, rl)
-        policy, step, reused = init_checkpoint, 0, 0
+                            init_checkpoint, rl, rl_path, weights, ws, seed, engine, force,
+                            trainer)  # fmt: skip
+        saves = SavePoints(ws, stage, rl, trainer)
+        policy, step, reused = PolicyVersion.at(init_checkpoint), 0, 0
         with tasks:  # rl.async_level > 0: rollouts run ahead of the updates
             for it in range(rl.iterations):
                 log.block_start(it)
@@ -87,7 +92,7 @@ def rl_stage(
                 cached = roll.cached and scored.cached and upd.cached
                 reused += cached
                 log.iteration(it, step, (roll, scored, upd), cached, extra)
-                step, policy = upd.global_step, upd.checkpoint
+                step, policy = upd.global_step, PolicyVersion.at(upd.checkpoint)
                 tasks.policy_known(it + 1, policy)  # what queued rollouts sample
                 saves.after(it)
                 log.block_end(it, policy, step, ws.iteration_eval_table(stage, it), scored)
@@ -96,7 +101,7 @@ def rl_stage(
         saves.finish()
         if tasks.shares:
             log.metrics.add(chart_metrics(tasks.shares), rl.iterations)
-        final = _final_checkpoint(ws.checkpoint(stage), policy)
+        final = _final_checkpoint(ws.checkpoint(stage), policy, trainer)
         wall = log.finish(final, step, reused, rl.iterations, t0)
     return RLStageOutcome(
         checkpoint=str(final),
@@ -126,23 +131,24 @@ class _StageTasks:
     seed: int
     engine: EngineSpec | None
     force: bool
+    trainer: Trainer
     overlap: Overlap | None = None
     shares: dict = field(default_factory=dict)  # the async schedule's idle shares, at the end
 
-    def _args(self, it: int, policy: str) -> tuple:
+    def _args(self, it: int, policy: PolicyVersion) -> tuple:
         out = str(self.ws.rollouts(self.stage, it))
-        return (self.stage, it, policy, self.rl_path, out, self.rl, self.seed, self.engine)
+        return (self.stage, it, policy.path, self.rl_path, out, self.rl, self.seed, self.engine)
 
     def _score_args(self, it: int, rollouts: str) -> tuple:
         scored = str(self.ws.scored(self.stage, it))
         return (self.stage, it, rollouts, scored, self.rl.rewards_at(it, self.weights), self.rl)
 
-    def scored(self, it: int, policy: str):
+    def scored(self, it: int, policy: PolicyVersion):
         """Iteration ``it``'s rollout and scoring results and the numbers the schedule adds."""
         if self.overlap is not None:
             return self.overlap.take(it)
         if self.force or not is_cached(*self._args(it, policy)):
-            lineage.resolve(policy)  # weights a rerun's cached updates left unkept: replayed
+            self.trainer.sampleable(policy)  # a rerun's cached updates left it unkept: replayed
         roll = named(rollout, f"{self.name}/rollout-{it}")(
             *self._args(it, policy), force=self.force
         )
@@ -151,11 +157,11 @@ class _StageTasks:
         )
         return roll, scored, {}
 
-    def update(self, it: int, policy: str, scored_path: str, step: int):
+    def update(self, it: int, policy: PolicyVersion, scored_path: str, step: int):
         """Iteration ``it``'s update of ``policy`` (at optimizer step ``step``)."""
         rl, ws = self.rl, self.ws
         request = UpdateRequest(
-            policy,
+            policy.path,
             scored_path,
             str(ws.iteration_checkpoint(self.stage, it)),
             rl,
@@ -174,7 +180,7 @@ class _StageTasks:
             keep=rl.saves_at(it),
         )
 
-    def submit(self, it: int, policy: str):
+    def submit(self, it: int, policy: PolicyVersion):
         """Iteration ``it``'s rollout task, and its scoring task once the file lands."""
         args = self._args(it, policy)
         roll = named(rollout, f"{self.name}/rollout-{it}").submit(*args, force=self.force)
@@ -183,10 +189,16 @@ class _StageTasks:
         )
         return roll, scored
 
-    def policy_known(self, j: int, policy: str) -> None:
+    def policy_known(self, j: int, policy: PolicyVersion) -> None:
         """The async schedule starts the rollouts ``policy`` (``P_j``) samples."""
         if self.overlap is not None:
-            self.overlap.policy_known(j, policy, policy_ref.policy_id(policy))
+            self.overlap.policy_known(j, policy)
+
+    def sampleable(self, policy: PolicyVersion):
+        """A handle on ``policy``'s weights, replayed into the learner first when a rerun's
+        cached updates left them neither in memory nor on disk."""
+        self.trainer.sampleable(policy)
+        return self.trainer.handle(policy)
 
     def __enter__(self) -> _StageTasks:
         """With ``rl.async_level`` > 0, the async schedule; its first rollouts are
@@ -201,10 +213,10 @@ class _StageTasks:
             self.submit,
             cached=lambda it, policy: not self.force and is_cached(*self._args(it, policy)),
             executor=executor,
-            load=_sampleable,
+            load=self.sampleable,
             source=self.init_checkpoint,
         )
-        self.policy_known(0, self.init_checkpoint)
+        self.policy_known(0, PolicyVersion.at(self.init_checkpoint))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -236,13 +248,14 @@ def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None
     )
 
 
-def _final_checkpoint(final: Path, policy: str) -> Path:
+def _final_checkpoint(final: Path, policy: PolicyVersion, trainer: Trainer) -> Path:
     """``checkpoints/<stage>``: the last iteration's kept checkpoint, hard-linked (its files
     are never rewritten), shared through the store, and known to the warm cache by its new
     path."""
     kept = policy_ref.saved_at(policy)
     if kept is None:  # pruned, or lost with its background write: the weights are in memory
-        w = _sampleable(policy)
+        trainer.sampleable(policy)
+        w = trainer.handle(policy)
         with atomic_path(final) as tmp:
             save_checkpoint(w.model, w.tokenizer, tmp, expected_id=w.policy_id)
         storage.publish(final)
@@ -250,15 +263,8 @@ def _final_checkpoint(final: Path, policy: str) -> Path:
         with atomic_path(final) as tmp:
             link_tree(kept, tmp)
         storage.publish(final)
-    lineage.relabel(policy_id(final), final)  # same weights as the last iteration's
+    trainer.relabel(policy_id(final), final)  # same weights as the last iteration's
     return final
-
-
-def _sampleable(policy: str):
-    """A handle on ``policy``'s weights, replayed into the learner first when a rerun's
-    cached updates left them neither in memory nor on disk."""
-    lineage.resolve(policy)
-    return lineage.handle(policy)
 
 
 @dataclass
@@ -274,6 +280,7 @@ class SavePoints:
     ws: Workspace
     stage: str
     rl: RLConfig
+    trainer: Trainer
 
     def after(self, it: int) -> None:
         if it >= self.rl.async_level:
@@ -284,7 +291,7 @@ class SavePoints:
         n, lag = self.rl.iterations, self.rl.async_level
         for it in range(max(0, n - lag), n):
             self._prune(it)
-        lineage.drain()  # the kept checkpoints are in place
+        self.trainer.drain()  # the kept checkpoints are in place
 
     def _prune(self, it: int) -> None:
         rl = self.rl
@@ -296,7 +303,7 @@ class SavePoints:
             path = self.ws.iteration_checkpoint(self.stage, j)
             if not path.exists():
                 continue
-            if lineage.is_pending(path):
-                lineage.drain()
+            if self.trainer.is_pending(path):
+                self.trainer.drain()
             shutil.rmtree(path, ignore_errors=True)
             storage.remove(path)

@@ -4,6 +4,7 @@ step is the number of iterations done (tasks/tracking/charts.py)."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,9 @@ from flows.rl_report import IterationGroup, StageReport, rollout_sample
 from grpo_core.config.engine import EngineSpec
 from grpo_core.config.stages import EvalConfig, RLConfig
 from tasks.evaluate import evaluate_checkpoint, is_cached
-from tasks.policies import lineage
 from tasks.policies import ref as policy_ref
+from tasks.policies.trainer import Trainer, open_trainer
+from tasks.policies.version import PolicyVersion
 from tasks.results import EvalOutcome
 from tasks.run_log import logger
 from tasks.tracking.charts import chart_metrics, eval_point, iteration_means, step_metrics
@@ -28,12 +30,16 @@ class HeldOut:
     cfg: EvalConfig
     engine: EngineSpec | None = None
     force: bool = False
+    trainer: Trainer | None = None  # the stage's (tasks/policies/trainer.py)
 
-    def __call__(self, checkpoint: str, out_table: Path, desc: str) -> EvalOutcome:
+    def __call__(self, checkpoint, out_table: Path, desc: str) -> EvalOutcome:
+        """The eval of ``checkpoint`` (a path, or a ``PolicyVersion``)."""
+        checkpoint = os.fspath(checkpoint)
         if self.force or not is_cached(
             checkpoint, self.eval_path, self.cfg, str(out_table), self.engine
         ):
-            lineage.resolve(checkpoint)  # weights a rerun's cached updates left unkept: replayed
+            trainer = self.trainer or open_trainer()
+            trainer.sampleable(checkpoint)  # a rerun's cached updates left it unkept: replayed
         return evaluate_checkpoint(
             checkpoint,
             self.eval_path,
@@ -120,7 +126,7 @@ class StageLog:
         group.add(point, it + 1)
         self.report.iteration(it, point, cached)
 
-    def block_end(self, it: int, policy: str, step: int, table: Path, scored) -> None:
+    def block_end(self, it: int, policy: PolicyVersion, step: int, table: Path, scored) -> None:
         """After iteration ``it``, when it ends a block: the held-out eval of ``policy``,
         the block's run ended with it, a sample of the training completions in the stage's
         run."""
@@ -129,7 +135,7 @@ class StageLog:
         done = it + 1
         ev = self.held_out(policy, done, step, table)
         self.blocks.last_table = ev.table
-        self.blocks.group.end(done, eval_point(ev.summary_metrics()), policy_ref.policy_id(policy))
+        self.blocks.group.end(done, eval_point(ev.summary_metrics()), policy.policy_id)
         # the training completions the MLflow UI pages through, at this eval point
         self.tracking.log_table(
             self.run_id, rollout_sample(scored.path), f"samples/iter_{it:04d}.json"

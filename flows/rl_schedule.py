@@ -50,9 +50,9 @@ class Overlap:
     k: int
     iterations: int
     submit: Callable
-    cached: Callable[[int, str], bool]
+    cached: Callable[[int, object], bool]
     executor: object
-    load: Callable[[str], object]
+    load: Callable[[object], object]
     source: str
     pending: dict = field(default_factory=dict)  # it -> (rollout, score futures, pid, held)
     uses: Counter = field(default_factory=Counter)  # policy_id -> rollouts still to land
@@ -60,8 +60,10 @@ class Overlap:
     busy: list = field(default_factory=list)  # the engine's (start, end) per rollout sampled
     t0: float = field(default_factory=time.monotonic)
 
-    def policy_known(self, j: int, policy: str, policy_id: str) -> None:
-        """``P_j`` (checkpoint or record ``policy``) exists: submit the rollouts it samples."""
+    def policy_known(self, j: int, policy) -> None:
+        """``P_j`` (a ``PolicyVersion``: tasks/policies/version.py) exists: submit the
+        rollouts it samples."""
+        policy_id = policy.policy_id
         for it in sampled_by(j, self.k, self.iterations):
             if it in self.pending:
                 continue

@@ -21,10 +21,10 @@ from prefect import flow
 
 from flows.config import load_config
 from flows.run_context import RunContext
-from grpo_core.engines.functions import tool_declarations
+from grpo_core.engines.factory_env import rollout_declarations
 from tasks.evaluate import evaluate_stage
 from tasks.evaluate import is_cached as eval_is_cached
-from tasks.policies import lineage
+from tasks.policies.trainer import open_trainer
 from tasks.prepare import prepare
 from tasks.rollout import is_cached, rollout
 from tasks.score import score, score_options
@@ -47,9 +47,10 @@ def _default_data(ctx: RunContext, split: str) -> str:
     if cfg.data.source == "files":
         path = {"rl": cfg.data.rl_path, "eval": cfg.data.eval_path}[split]
         plain = Path(path).is_file() and Path(path).suffix in (".jsonl", ".json", ".parquet")
-        if plain and cfg.data.mapping().identity and not cfg.rollout.functions:
+        json_tools = cfg.rollout.functions or cfg.rollout.environment_factory
+        if plain and cfg.data.mapping().identity and not json_tools:
             return path  # else: mapped into the workspace, as `grpo run` does
-    tools = tool_declarations(cfg.rollout.functions)
+    tools = rollout_declarations(cfg.rollout)
     return prepare.fn(cfg.data, cfg.model, cfg.seed, ctx.workspace, tools)[split]
 
 
@@ -67,7 +68,7 @@ def rollout_flow(
     out = out or str(ctx.workspace.offline_rollouts(iteration))
     spec = cfg.rollout.engine_spec()
     if not is_cached("offline", iteration, policy, data, out, cfg.rl, cfg.seed, spec):
-        lineage.resolve(policy)  # an iteration's record whose weights were not kept: replayed
+        open_trainer().sampleable(policy)  # a record whose weights were not kept: replayed
     return rollout("offline", iteration, policy, data, out, cfg.rl, cfg.seed, spec).path
 
 
@@ -125,7 +126,7 @@ def eval_flow(
     )
     engine = cfg.rollout.engine_spec(cfg.eval.engine)
     if not eval_is_cached(checkpoint, data, cfg.eval, out, engine):
-        lineage.resolve(checkpoint)  # an iteration's record whose weights were not kept
+        open_trainer().sampleable(checkpoint)  # a record whose weights were not kept
     res = evaluate_stage("offline", checkpoint, data, cfg.eval, out, engine=engine)
     return {
         "accuracy": res.accuracy,

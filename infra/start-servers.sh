@@ -177,7 +177,9 @@ launch() {  # launch NAME CMD... : new session (pid = process group id), output 
         esac
     done
     (umask 077 && echo "=== $(date -u +%FT%TZ) starting: ${shown[*]}" >>"$STATE/logs/$name.log")
-    setsid nohup "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null &
+    # umask 077: what the servers write (Prefect's database, MLflow's password hashes in
+    # mlflow-auth.db) is this user's only
+    (umask 077 && exec setsid nohup "$@" >>"$STATE/logs/$name.log" 2>&1 </dev/null) &
     echo $! >"$STATE/$name.pid"
     return 0
 }

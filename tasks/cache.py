@@ -82,7 +82,9 @@ def tool_code(tools) -> tuple:
     from grpo_core.config.tools import tool_spec_of
 
     tools = tool_spec_of(tools)
-    return () if tools is None else (*tools.tools, *tools.functions)
+    if tools is None:
+        return ()
+    return (*tools.tools, *tools.functions, *(spec for _, spec in tools.environment_factory))
 
 
 def _source_file(module: str) -> Path | None:

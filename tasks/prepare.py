@@ -13,6 +13,7 @@ from grpo_core.config.stages import DataConfig, ModelConfig
 from grpo_core.contracts.io import write_jsonl
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.demo.task import make_splits
+from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import policy_id, resolve_model_path
 from tasks.run_log import logger, pull
 from tasks.workspace import Workspace
@@ -40,16 +41,28 @@ def generated_splits(data: DataConfig, seed: int):
     return word_problem_splits(seed, **data.word_problems.model_dump())
 
 
-def _declared(rows: list[dict], tools: str | None) -> list[dict]:
-    """``rows`` with the ``tools`` column where they have none (``tools`` None: as they are)."""
+def _declared(rows: list[dict], tools: str | dict | None, source: str = "data") -> list[dict]:
+    """``rows`` with the ``tools`` column where they have none (``tools`` None: as they are;
+    a mapping: per environment name, for rows that name theirs in ``environment``)."""
     if not tools:
         return rows
-    return [r if r.get("tools") else {**r, "tools": tools} for r in rows]
+    if isinstance(tools, str):
+        return [r if r.get("tools") else {**r, "tools": tools} for r in rows]
+    from grpo_core.engines.factory_env import row_environment
+
+    out = []
+    for i, r in enumerate(rows):
+        try:
+            name = row_environment(r, {k: k for k in tools}, f"{source}, row {i}")
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        out.append(r if r.get("tools") else {**r, "tools": tools[name]})
+    return out
 
 
 @task(name="prepare", cache_policy=NO_CACHE)
 def prepare(
-    data: DataConfig, model: ModelConfig, seed: int, ws: Workspace, tools: str | None = None
+    data: DataConfig, model: ModelConfig, seed: int, ws: Workspace, tools: str | dict | None = None
 ) -> dict[str, str]:
     """Returns paths: ``base`` checkpoint and ``sft``/``rl``/``dev``/``eval`` data.
 
@@ -70,7 +83,7 @@ def prepare(
             rows = getattr(splits, name)
             if rows:
                 rows = mapping.apply(rows, f"{data.source} {name} split", sft=name == "sft")
-                out[name] = str(write_jsonl(_declared(rows, tools), ws.data(name)))
+                out[name] = str(write_jsonl(_declared(rows, tools, name), ws.data(name)))
         log.info(
             "%s data: %s",
             data.source,
@@ -96,7 +109,7 @@ def prepare(
             if mapping.identity and as_is and not tools:
                 out[name] = str(Path(path).resolve())
             else:  # mapped rows, or a datasets folder / CSV: one JSONL file the stages hash
-                out[name] = str(write_jsonl(_declared(rows, tools), ws.data(name)))
+                out[name] = str(write_jsonl(_declared(rows, tools, name), ws.data(name)))
     if model.source == "demo":
         base = ws.checkpoint("base")
         pull(base)  # another machine's run of this workspace made it already

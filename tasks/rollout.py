@@ -21,11 +21,13 @@ from grpo_core.config.settings import Sampling
 from grpo_core.config.stages import RLConfig
 from grpo_core.contracts.io import write_parquet
 from grpo_core.contracts.prompts import load_rows
+from grpo_core.contracts.rollouts import turn_calls
 from grpo_core.engines.context import model_context
 from grpo_core.engines.turns import SampleRequest
 from tasks.cache import cached, stage_key, tool_code
-from tasks.policies import lineage, loading
+from tasks.policies import loading
 from tasks.policies import ref as policy_ref
+from tasks.policies.trainer import open_trainer
 from tasks.results import RolloutOutcome
 from tasks.run_log import logger, timer
 
@@ -121,13 +123,13 @@ def write_rollouts(
 
 def policy_for(executor, checkpoint: str, request: SampleRequest):
     """The policy to sample from: a read-only handle on its weights in memory
-    (tasks/policies/lineage.py), or, where the executor's samplers load the weights
+    (tasks/policies/trainer.py), or, where the executor's samplers load the weights
     themselves (the rollout replicas), one without them (``tasks/policies/files.py``)."""
     if not executor.wants_weights(request):
         from tasks.policies.files import files
 
         return files(checkpoint)
-    return lineage.handle(checkpoint)
+    return open_trainer(executor).handle(checkpoint)
 
 
 def _metadata(policy_path, engine: EngineSpec, params, shards: int, dtype: str) -> dict:
@@ -167,24 +169,27 @@ def _generation_metrics(samples: list, seconds: float) -> dict:
 
 def tool_metrics(samples: list, seconds: float) -> dict:
     """Per rollout with an environment: tool calls per completion, the share of calls that
-    failed, model turns per completion, the share of completion tokens the environment
-    added, the share of the rollout's wall time the calls took (their seconds summed over
-    the tool workers: calls that run at once, or while other episodes sample, each count in
-    full, so the share can pass 1 when the calls are off the critical path), and the share
+    failed (a turn of several JSON calls counts each call, as TRL's ``tools/call_frequency``
+    and ``tools/failure_frequency``), model turns per completion, the share of completion
+    tokens the environment added, the calls' load (their seconds summed over the rollout's
+    wall time: the mean number of calls running, not a share; it rises when calls overlap
+    sampling), and the share
     the turn loop stood still waiting for calls with nothing to sample (``stalled``: the
     critical path's part)."""
     tools = [t for s in samples for t in s.turns or () if t["role"] == "tool"]
+    counts = [turn_calls(t) for t in tools]  # a turn of several JSON calls counts each
+    calls, failed = sum(c for c, _ in counts), sum(f for _, f in counts)
     turns = sum(sum(t["role"] == "assistant" for t in s.turns or ()) for s in samples)
     total = sum(len(s.completion_ids) for s in samples)
     env_tokens = sum(len(s.loss_mask) - sum(s.loss_mask) for s in samples if s.loss_mask)
     stalled = sum(t.get("stalled") or 0.0 for s in samples for t in s.turns or ())
     return {
-        "tools/calls_per_completion": len(tools) / len(samples),
-        "tools/error_rate": sum(t["error"] is not None for t in tools) / max(1, len(tools)),
+        "tools/calls_per_completion": calls / len(samples),
+        "tools/error_rate": failed / max(1, calls),
         "tools/turns_per_completion": turns / len(samples),
         "tools/token_share": env_tokens / max(1, total),
         "tools/seconds": sum(t["seconds"] for t in tools),
-        "tools/time_share": sum(t["seconds"] for t in tools) / max(seconds, 1e-9),
+        "tools/call_load": sum(t["seconds"] for t in tools) / max(seconds, 1e-9),
         "tools/stall_s": stalled,
         "tools/stall_share": stalled / max(seconds, 1e-9),
     }

@@ -22,7 +22,8 @@ from grpo_core.config.tools import tool_spec_of
 from grpo_core.contracts.prompts import load_rows
 from grpo_core.training.checkpoint import policy_id, save_checkpoint
 from tasks.cache import cached, stage_key, tool_code
-from tasks.policies import lineage, loading
+from tasks.policies import loading
+from tasks.policies.trainer import open_trainer
 from tasks.results import SFTOutcome
 from tasks.run_log import logger, pull, timer
 from tasks.tracking.runs import stage_run
@@ -45,6 +46,7 @@ def train_stage(
     resume_key: str = "",
     data_parallel=None,
     tools=None,
+    accuracy_reward: str = "accuracy",
 ) -> SFTOutcome:
     """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
 
@@ -61,7 +63,7 @@ def train_stage(
     dp = data_parallel or LOCAL
     pull(init_checkpoint, data_path, dev_path)  # a rank on a node without the run folder
     rows = load_rows(data_path, required=("prompt", "completion"))
-    w = lineage.learner_at(init_checkpoint, lora_base=init_checkpoint)
+    w = open_trainer().learner_at(init_checkpoint, lora_base=init_checkpoint)
     w.train = None  # SFT builds its own optimizer; an RL stage's must not ride through it
     w.policy_id = None  # the weights change from here: no id until they are saved
     dp.prepare_model(w.model, lora=bool(w.lora_info()))  # ranks: equal, or sharded
@@ -77,7 +79,7 @@ def train_stage(
             rows,
             cfg.training,
             seed=seed,
-            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage, tools),
+            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage, tools, accuracy_reward),
             on_step=on_step,
             desc=stage,
             resume_dir=Workspace.resume_checkpoint(out_checkpoint),
@@ -149,10 +151,18 @@ def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
     return dataclasses.replace(out, history=None)
 
 
-def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage: str, tools=None):
-    """Greedy accuracy of the model in training on ``dev_rows`` (early stopping); None
-    without dev rows. ``tools`` (``rollout.tools``' settings): the episodes sample with the
-    tool through the turn loop, as the held-out evals do."""
+def _dev_eval(
+    w,
+    dev_rows: list[dict] | None,
+    max_completion_length: int,
+    stage: str,
+    tools=None,
+    accuracy_reward: str = "accuracy",
+):
+    """Greedy accuracy of the model in training on ``dev_rows`` (early stopping) by
+    ``accuracy_reward`` (``eval.accuracy_reward``); None without dev rows. ``tools``
+    (``rollout.tools``' settings): the episodes sample with the tool through the turn loop,
+    as the held-out evals do (an environment's own reward included)."""
     if not dev_rows:
         return None
     from grpo_core.algorithm.evaluation import evaluate
@@ -165,6 +175,7 @@ def _dev_eval(w, dev_rows: list[dict] | None, max_completion_length: int, stage:
             max_new_tokens=max_completion_length,
             desc=f"{stage} dev",
             tools=tools or None,
+            accuracy_reward=accuracy_reward,
         ).accuracy
 
     return dev_eval
@@ -184,15 +195,18 @@ def sft_stage(
     seed: int = 0,
     force: bool = False,
     tools: dict | None = None,
+    accuracy_reward: str = "accuracy",
 ) -> SFTOutcome:
     """``tools``: ``rollout.tools``' settings, for a dev eval (``target_accuracy``) of a
-    tool-using policy."""
+    tool-using policy; ``accuracy_reward``: what the dev eval scores (``eval.accuracy_reward``)."""
     # checkpoint_every changes where training can resume from, not its result
     knobs = cfg.model_dump(exclude={"checkpoint_every"})
     settings = {**knobs, "max_completion_length": max_completion_length, "seed": seed}
     tools = tool_spec_of(tools)
     if tools:  # the dev eval's environment decides where early stopping stops
         settings["tools"] = tools.as_dict()
+    if accuracy_reward != "accuracy" and cfg.target_accuracy is not None:  # the default:
+        settings["accuracy_reward"] = accuracy_reward  # left out, keys stay as they were
     with stage_run(
         tracking, stage, {"init_checkpoint": init_checkpoint}, config=settings
     ) as run_id:
@@ -224,6 +238,7 @@ def sft_stage(
                 max_completion_length=max_completion_length,
                 seed=seed,
                 tools=tools,
+                accuracy_reward=accuracy_reward,
                 on_step=log_step,
                 on_resume=log_restored,
                 resume_key=key,

@@ -18,9 +18,10 @@ from cluster import process, storage
 from grpo_core.config.rl import update_unkeyed
 from grpo_core.config.stages import RLConfig
 from tasks.cache import cached, stage_key
-from tasks.policies import lineage, loading
+from tasks.policies import loading
 from tasks.policies import ref as policy_ref
 from tasks.policies.ref import PolicyRef
+from tasks.policies.trainer import open_trainer
 from tasks.results import UpdateOutcome
 from tasks.run_log import logger, pull
 
@@ -85,12 +86,14 @@ def update_from_file(
     data_parallel=None,
     keep: bool = True,
     background: bool = False,
+    trainer=None,
 ) -> UpdateOutcome:
     """GRPO steps on the request's ``scored_path`` from its ``policy_path``, saved to
     ``out_checkpoint`` with the trainer state (AdamW, LR schedule, RNG states, step) that the
-    next iteration of the stage continues from. The learner (tasks/policies/lineage.py:
-    ``learner_for``, which resolves the policy's lineage and resumes the stage's optimizer)
-    trains and keeps the new weights (grpo_core/algorithm/learner.py: ``Learner.save``).
+    next iteration of the stage continues from. The learner (``trainer``, default this
+    process's: tasks/policies/trainer.py ``Trainer.learner_for``, which resolves the
+    policy's lineage and resumes the stage's optimizer) trains and keeps the new weights
+    (grpo_core/algorithm/learner.py: ``Learner.save``).
 
     ``keep=False`` (between an RL stage's save points): nothing is written, the new weights
     stay in memory under ``out_checkpoint`` and their ``policy_id``. ``background``: one
@@ -117,9 +120,10 @@ def update_from_file(
     )
     rows = ScoredRows.read(r.scored_path, dynamic_sampling=rl.dynamic_sampling)
     sharded = data_parallel is not None and data_parallel.sharded
-    learner = lineage.learner_for(r.policy_path, r.optimization(sharded=sharded), seed=r.seed,
+    trainer = trainer or open_trainer()
+    learner = trainer.learner_for(r.policy_path, r.optimization(sharded=sharded), seed=r.seed,
                                   lora_base=r.init_policy, parallel=data_parallel)  # fmt: skip
-    reference = functools.partial(lineage.reference, learner, r.reference_checkpoint)
+    reference = functools.partial(trainer.reference, learner, r.reference_checkpoint)
     out = learner.update(
         rows,
         rl,
@@ -243,7 +247,9 @@ def update(
         kept = out_checkpoint if out.kept else None
         ref = PolicyRef(out.policy_id, out.global_step, kept, r.record(iteration, ref_path))
         policy_ref.write_ref(ref_path, ref)
-        lineage.relabel(out.policy_id, ref_path)  # the learner's weights, named by the record
+        open_trainer().relabel(
+            out.policy_id, ref_path
+        )  # the learner's weights, named by the record
         return dataclasses.replace(out, checkpoint=ref_path)
 
     output = ref_path or out_checkpoint

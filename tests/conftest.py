@@ -7,7 +7,46 @@ from flows.env import apply_defaults
 # before any test module imports Prefect or MLflow; tests log through plain Python logging
 apply_defaults(flow_logs=False)
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
+
+# A shell starts a background job (`pytest ... &`, `nohup`, .ci/run's parallel stream) with
+# SIGINT ignored, and every process a test starts would inherit that: Ctrl-C tests would see
+# their signal vanish. Default handling here gives the children the default again on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The README's test command (`pytest -m "not full"`) runs the unit, core, engine, tool and
+# reward tests and one whole recipe end to end, in minutes on 2 cores; `.ci/run` then runs the
+# rest (`-m full`): every other slow end-to-end run (kill and resume, async, replay, the tool
+# demo, SmolLM2), the code sandbox's hostile programs and reaping, the Ray cluster and the
+# distributed trainers, and the real Prefect / MLflow servers and browser.
+FULL_ONLY = (
+    "tests/cluster/",
+    "tests/distributed/",
+    "tests/infra/",
+    "tests/rewards/test_sandbox.py",
+    "tests/rewards/test_harness.py",
+    "tests/tools/test_sandbox_reaping.py",
+    "tests/tools/test_tool_sandbox.py",
+    "tests/tools/test_tool_sandbox_warm.py",
+    "tests/tools/test_tool_preflight.py",
+    "tests/pipeline/test_fail_fast.py",
+    "tests/pipeline/test_lost_signals.py",
+)
+QUICK_END_TO_END = (
+    "tests/pipeline/test_flow_smoke.py::test_whole_pipeline_runs_and_tracks_every_stage"
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on it
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid == QUICK_END_TO_END:
+            continue
+        if item.get_closest_marker("slow") or item.nodeid.startswith(FULL_ONLY):
+            item.add_marker(pytest.mark.full)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,8 @@ What is checked:
 - the rollout's engine and environment (``tools``): vLLM importable for ``engine: vllm``;
   ``rollout.tools`` one known tool or importable ``module:function``, ``max_turns`` >= 2,
   distinct markers that are in the model's vocabulary, a tool memory cap the machine has
+- dtypes: no bf16/fp16 setting (``model.dtype``, the checkpoint's when ``auto``, a section's
+  ``bf16``/``fp16``) on a CPU that would emulate it 25-70x slower than float32 (``hardware``)
 
 Layout: this module holds the entry points; the checks live in ``rewards``, ``data``
 (data files, Parquet schemas, token ids), ``checkpoints``, ``outputs`` (tracking store,
@@ -48,6 +50,7 @@ from pathlib import Path
 from flows.preflight.checkpoints import check_checkpoint, check_safetensors
 from flows.preflight.context import check_batch_fits, check_context
 from flows.preflight.data import check_data, check_parquet, check_scored_rows, check_token_ids
+from flows.preflight.hardware import check_cpu_dtypes
 from flows.preflight.outputs import (
     check_outputs,
     check_prefect_api,
@@ -57,6 +60,7 @@ from flows.preflight.outputs import (
     probe_server,
 )
 from flows.preflight.rewards import (
+    check_advantage_estimators,
     check_reward_columns,
     check_reward_names,
     check_rewards,
@@ -68,7 +72,9 @@ from flows.preflight.tools import check_engine, check_tools
 from grpo_core.errors import UserError
 
 __all__ = [
+    "check_advantage_estimators",
     "check_checkpoint",
+    "check_cpu_dtypes",
     "check_batch_fits",
     "check_context",
     "check_data",
@@ -99,6 +105,7 @@ def check_run(cfg) -> None:
     """Everything ``grpo run`` needs, checked before Prefect starts."""
     check_outputs(cfg)
     check_rewards(cfg.rewards, overlong=bool(cfg.rl.overlong_buffer_length))
+    check_advantage_estimators(cfg)
     check_reward_names(cfg)
     check_sandbox([*cfg.rewards, *eval_rewards(cfg)[0]], cfg)
     missing = [k for k in cfg.rejection_sampling.require if k not in cfg.rewards]
@@ -129,6 +136,7 @@ def check_run(cfg) -> None:
         base = Path(cfg.output_dir) / cfg.run_name / "checkpoints" / "base"
         if (base / "config.json").exists():
             check_checkpoint(base, "the demo's base model", fix=f"delete {base} to rebuild it")
+    check_cpu_dtypes(cfg)
     check_context(cfg, prompts)
     check_engine(cfg)
     check_tools(cfg)
@@ -152,6 +160,8 @@ def check_stage(command: str, args, cfg) -> None:
     from grpo_core.contracts.rollouts import ROLLOUT_COLUMNS
 
     check_outputs(cfg)
+    if command != "score":  # the others train or sample with the model's dtype
+        check_cpu_dtypes(cfg)
     cap = cfg.data.max_prompt_chars
     files = cfg.data.source == "files"
     out = getattr(args, "out", None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from grpo_core.engines.context import check_completion_length, check_prompt_lengths, model_context
+from grpo_core.engines.factory_env import rollout_declarations
 from grpo_core.errors import UserError
 
 
@@ -55,10 +56,10 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
     if not data:
         return
     from grpo_core.contracts.text import row_prompt_ids
-    from grpo_core.engines.functions import tool_declarations
+    from tasks.prepare import _declared
 
     tok = tokenizer()
-    tools = tool_declarations(cfg.rollout.functions)  # prepare declares them in every row's prompt
+    tools = rollout_declarations(cfg.rollout)  # prepare declares them in every row's prompt
     longest = max(lengths["rl.max_completion_length"], lengths["rl_2.max_completion_length"])
     budget = {
         "data.rl_path": ("rl.max_completion_length", longest),
@@ -68,7 +69,8 @@ def check_context(cfg, data: dict[str, tuple[str, list[dict]]] | None = None) ->
     for field, (path, rows) in data.items():
         setting, n = budget[field]
         try:
-            ids = [row_prompt_ids(tok, {"tools": tools, **r} if tools else r) for r in rows]
+            declared = _declared(rows, tools, f"{field} {path}")  # as prepare writes them
+            ids = [row_prompt_ids(tok, r) for r in declared]
         except Exception as e:  # a chat template that refuses the messages, ...
             raise UserError(f"{field} {path}: the tokenizer cannot encode a prompt: {e}") from None
         check_prompt_lengths(

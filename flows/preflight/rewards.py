@@ -107,3 +107,19 @@ def check_reward_columns(rows: list[dict], path, field: str, names, setting: str
                     f"{field}: {where}: no {col!r} column, which reward {name!r} reads; add it "
                     f"to the data or change {setting}"
                 )
+
+
+def check_advantage_estimators(cfg) -> None:
+    """``rl.advantage_estimator`` (and ``rl_2``'s) given as ``module:function`` imports and
+    is a function (registered names were checked when the config loaded)."""
+    from grpo_core.config.loss import ADVANTAGE_ESTIMATORS
+    from grpo_core.rewards.base import load_user_function
+
+    for name, rl in (("rl", cfg.rl), ("rl_2", cfg.rl_2_config())):
+        given = rl.advantage_estimator
+        if given in ADVANTAGE_ESTIMATORS:
+            continue
+        try:
+            load_user_function(given)
+        except Exception as e:
+            raise UserError(f"{name}.advantage_estimator: {given!r}: {first_line(e)}") from None

@@ -17,19 +17,47 @@ import importlib.util
 
 from flows.preflight._util import first_line
 from grpo_core.config.engine import ENVIRONMENTS
+from grpo_core.engines.factory_env import rollout_declarations
 from grpo_core.errors import UserError
 
 MARKERS = ("tool_call_start", "tool_call_end", "tool_result_start", "tool_result_end")
 
 
 def check_engine(cfg) -> None:
-    """vLLM is importable where this machine samples (a local run, or a local Ray)."""
-    if cfg.rollout.engine != "vllm" or cfg.cluster.address:
+    """vLLM is importable where this machine samples (a local run, or a local Ray), and no
+    RL stage would weigh vLLM's rows by log-probs of a filtered distribution."""
+    if cfg.rollout.engine != "vllm":
+        return
+    for name, rl in (("rl", cfg.rl), ("rl_2", cfg.rl_2_config())):
+        _check_behaviour_weight(name, rl)
+    if cfg.cluster.address:
         return
     if importlib.util.find_spec("vllm") is None:
         from grpo_core.engines.vllm_engine import INSTALL_HINT
 
         raise UserError(f"rollout.engine: vllm is not installed here; {INSTALL_HINT}")
+
+
+def _check_behaviour_weight(name: str, rl) -> None:
+    """With ``rl.async_level`` > 0, rows of an older policy are weighed by ``pi_prox / mu``
+    (``rl.behaviour_weight``). vLLM records ``mu`` of its processed distribution only (no
+    ``completion_policy_logprobs``), so under ``top_p``/``top_k``/``min_p``/
+    ``repetition_penalty`` every weight carries the filter's kept mass (about 0.9 at
+    ``top_p=0.9``, 0.4 at ``top_k=8`` on a small model): a bias, not noise. Refused."""
+    from grpo_core.logprobs.old import NEUTRAL_SAMPLING
+
+    if not rl.async_level or rl.behaviour_weight == "none" or rl.old_logprobs == "sampler":
+        return
+    processed = [f"{k}={getattr(rl, k)}" for k, v in NEUTRAL_SAMPLING.items()
+                 if getattr(rl, k) != v]  # fmt: skip
+    if processed:
+        raise UserError(
+            f"{name}.behaviour_weight={rl.behaviour_weight} with rollout.engine=vllm and "
+            f"{', '.join(processed)}: vLLM records log-probs of the filtered distribution only, "
+            "so every behaviour weight would carry the filter's kept mass; sample from the full "
+            f"distribution (top_p=1, top_k=0, min_p=0, repetition_penalty=1), set "
+            f"{name}.behaviour_weight=none, or use the hf engine (it records both)"
+        )
 
 
 def check_tools(cfg, tokenizer=None) -> None:
@@ -49,8 +77,12 @@ def check_tools(cfg, tokenizer=None) -> None:
     elif name == "functions":
         _check_functions(r.functions)
         _check_template_declares_tools(cfg, tokenizer)
+    elif name == "factory":
+        _check_factories(r)
+        _check_template_declares_tools(cfg, tokenizer)
     elif ":" in name:
         _load_environment(name)
+        _build_environment(r.tool_spec())
     elif name not in ENVIRONMENTS:
         raise UserError(
             f"rollout.tools: {name!r} is not an environment: give one of "
@@ -104,10 +136,11 @@ def _check_template_declares_tools(cfg, tokenizer) -> None:
     if tok is None:
         return
     from grpo_core.contracts.text import prompt_text
-    from grpo_core.engines.functions import tool_declarations
 
     probe = [{"role": "user", "content": "hi"}]
-    schemas = tool_declarations(cfg.rollout.functions)
+    schemas = rollout_declarations(cfg.rollout)
+    if isinstance(schemas, dict):  # several environments: the first one's tools
+        schemas = next(iter(schemas.values()))
     try:
         declared = prompt_text(tok, probe, schemas) != prompt_text(tok, probe)
     except Exception as e:  # a template that refuses the messages or the tools
@@ -155,6 +188,40 @@ def _load_environment(name: str) -> None:
         raise UserError(f"rollout.tools: environment {name!r}: {message}") from None
 
 
+def _check_factories(r) -> None:
+    """Each ``rollout.environment_factory`` imports, makes an object with ``reset`` and tool
+    methods whose schemas can be read (one object each, as every sampling stage will)."""
+    from grpo_core.engines.factory_env import factory_schemas
+
+    for name, spec in r.factories().items():
+        where = f"rollout.environment_factory{'.' + name if name else ''}"
+        try:
+            factory_schemas(spec)
+        except ModuleNotFoundError as e:
+            raise UserError(f"{where}: cannot import module {e.name!r} for {spec!r}") from None
+        except (Exception, SystemExit) as e:
+            raise UserError(f"{where}: {spec!r}: {type(e).__name__}: {first_line(e)}") from None
+
+
+def _build_environment(spec) -> None:
+    """The user's factory called once with the run's settings, as every sampling stage will
+    call it: one that raises is refused here, in one line, before the cold start."""
+    from grpo_core.engines.environments import environment
+
+    try:
+        env = environment(spec)
+    except (Exception, SystemExit) as e:
+        raise UserError(
+            f"rollout.tools: environment {spec.tools[0]!r} raised when built with the run's "
+            f"settings: {type(e).__name__}: {first_line(e)}"
+        ) from None
+    if not callable(getattr(env, "start", None)):
+        raise UserError(
+            f"rollout.tools: environment {spec.tools[0]!r} built a {type(env).__name__} "
+            "without a start(row) method (docs/tools.md, 'Your own environment')"
+        )
+
+
 def _check_memory(memory_mb: int) -> None:
     import psutil
 
@@ -185,3 +252,20 @@ def _check_vocabulary(cfg, tokenizer) -> None:
                 f"to {shown}), so the model can never write or read it; use markers its "
                 "tokenizer has (a demo model: model.demo.vocabulary: tools)"
             )
+    _check_mark(cfg.rollout.tool_truncation_mark, tok, unk)
+
+
+def _check_mark(mark: str, tok, unk) -> None:
+    """The truncation mark is spelled by the vocabulary as the tool's output is (special
+    tokens split): a mark of unknown tokens would show the model UNK ids where output was
+    cut. An empty mark puts none."""
+    from grpo_core.contracts.observations import encode_mark
+
+    ids = encode_mark(tok, mark)
+    if unk is not None and unk in ids:
+        pieces = tok.convert_ids_to_tokens(ids)
+        shown = " ".join(pieces[:8]) + (f" ... ({len(pieces)} tokens)" if len(pieces) > 8 else "")
+        raise UserError(
+            f"rollout.tool_truncation_mark: {mark!r} is not in the model's vocabulary (it "
+            f"tokenises to {shown}); give a mark its tokenizer spells, or '' for none"
+        )

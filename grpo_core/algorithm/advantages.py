@@ -1,7 +1,9 @@
 """Advantage estimators for group-based policy optimisation.
 
 Every estimator has one signature, ``fn(rewards[N], group_ids[N], **opts) -> advantages[N]``,
-and is registered by name in ``ADVANTAGE_ESTIMATORS`` (call them through :func:`compute`).
+and is registered by name in ``ADVANTAGE_ESTIMATORS`` (grpo_core/config/loss.py, with what the
+config checks of it; call them through :func:`compute`, which also takes your own as
+``"module:function"``).
 
 - ``grpo``: DeepSeekMath (Shao et al., 2024, arXiv:2402.03300) outcome supervision,
   ``A_i = (r_i - mean(r_group)) / (std(r_group) + eps)``, with TRL's ``scale_rewards``:
@@ -33,11 +35,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from grpo_core.registry import Registry
+from grpo_core.config.loss import ADVANTAGE_ESTIMATORS
 from grpo_core.rewards.scoring import weighted_reward_sum
 
 AdvantageFn = Callable[..., Tensor]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+__all__ = ["ADVANTAGE_ESTIMATORS", "compute", "compute_multi"]
 SCALE_REWARDS = ("group", "batch", "none")
 MULTI_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -114,7 +116,6 @@ def _finish(adv: Tensor, rewards: Tensor, informative: Tensor | None = None) -> 
     return adv.to(dt)
 
 
-@ADVANTAGE_ESTIMATORS.register("grpo")
 def grpo_advantages(
     rewards: Tensor, group_ids: Tensor, *, scale_rewards: str = "group", eps: float = 1e-4
 ) -> Tensor:
@@ -129,7 +130,6 @@ def grpo_advantages(
     return _finish(adv, rewards, ~zero_std(m.std))
 
 
-@ADVANTAGE_ESTIMATORS.register("dr_grpo")
 def dr_grpo_advantages(
     rewards: Tensor, group_ids: Tensor, *, scale_rewards: str = "none", eps: float = 1e-4
 ) -> Tensor:
@@ -139,7 +139,6 @@ def dr_grpo_advantages(
     return grpo_advantages(rewards, group_ids, scale_rewards="none", eps=eps)
 
 
-@ADVANTAGE_ESTIMATORS.register("rloo")
 def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, scale_rewards: str = "none") -> Tensor:
     """RLOO (Ahmadian et al., 2024): baseline = mean of the *other* valid rewards of the group."""
     if scale_rewards != "none":
@@ -150,12 +149,23 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, *, scale_rewards: str = 
     return _finish((rewards - m.mean) * scale, rewards, ~zero_std(m.std))
 
 
+def estimator(name: str) -> AdvantageFn:
+    """A registered estimator, or a user's ``"module:function"`` imported as reward
+    functions are (``grpo_core.rewards.base.load_user_function``)."""
+    if name in ADVANTAGE_ESTIMATORS or ":" not in name:
+        return ADVANTAGE_ESTIMATORS.get(name)
+    from grpo_core.rewards.base import load_user_function
+
+    return load_user_function(name)
+
+
 def compute(name: str, rewards: Tensor, group_ids: Tensor, **opts) -> Tensor:
     """Advantages of ``rewards[N]`` grouped by ``group_ids[N]`` with estimator ``name``.
 
-    Unknown names raise ``ValueError`` listing the registered ones.
+    ``name``: a registered estimator or ``"module:function"``; unknown names raise
+    ``ValueError`` listing the registered ones.
     """
-    return ADVANTAGE_ESTIMATORS.get(name)(rewards, group_ids, **opts)
+    return estimator(name)(rewards, group_ids, **opts)
 
 
 def compute_multi(

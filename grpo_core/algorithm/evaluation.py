@@ -31,6 +31,7 @@ from math import comb
 
 from grpo_core import rewards
 from grpo_core.algorithm import sampling
+from grpo_core.contracts.rollouts import env_reward_columns, turn_calls
 from grpo_core.contracts.text import decode_completion, model_text, row_prompt_text
 from grpo_core.engines.context import model_context
 from grpo_core.engines.generation import SamplingParams
@@ -111,7 +112,7 @@ def _episode(s) -> dict:
     """A tool-using episode's columns (grpo_core/engines/turns.py): its turns and tool calls."""
     if s.turns is None:
         return {}
-    return {"turns": s.turns, "tool_calls": sum(t["role"] == "tool" for t in s.turns)}
+    return {"turns": s.turns, "tool_calls": sum(turn_calls(t)[0] for t in s.turns)}
 
 
 def _seen_prompts(flat_rows: list[dict], samples) -> list:
@@ -221,6 +222,7 @@ def evaluate(
     written = [model_text(c, s.turns) for c, s in zip(completions, samples, strict=True)]
     if any(s.turns for s in samples):
         columns["trajectory"] = completions
+    columns.update(env_reward_columns(samples))  # the environment's own reward, if any
     scored = rewards.score_completions(
         _seen_prompts(flat_rows, samples),
         written,

@@ -65,14 +65,26 @@ def select_completions(rows: list[dict], **rules) -> list[dict]:
 def to_sft_rows(kept: list[dict]) -> list[dict]:
     """SFT rows: ``prompt``, ``completion`` and the data's passthrough columns (``answer``...).
     The prompt is the one the model saw: with what an environment's ``reset()`` added
-    (``episode_prompt``), where it added something."""
+    (``episode_prompt``), where it added something.
+
+    An episode with tool turns (a row with ``loss_mask``) also keeps the ids it was sampled
+    as, ``prompt_ids``, ``completion_ids`` and ``loss_mask`` (:data:`SAMPLED_IDS`), and re-SFT
+    trains those (:func:`grpo_core.training.sft_examples.encode_examples`), never the decoded text:
+    that text has lost the special tokens (a chat template's role markup, markers that are
+    special tokens), and what a tool printed (``<|im_end|>``, a closing marker) would read
+    as markup when it is tokenised again. ``completion`` stays, for people and for dedupe."""
     return [
         {
             **{k: v for k, v in r.items() if not _is_rollout_only(k)},
             **({"prompt": r["episode_prompt"]} if r.get("episode_prompt") is not None else {}),
+            **({k: r[k] for k in SAMPLED_IDS} if r.get("loss_mask") is not None else {}),
         }
         for r in kept
     ]
+
+
+# the columns of an SFT row that trains the ids an episode was sampled as
+SAMPLED_IDS = ("prompt_ids", "completion_ids", "loss_mask")
 
 
 def mix_sft_rows(sft_rows: list[dict], n: int, seed: int) -> list[dict]:

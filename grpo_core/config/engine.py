@@ -8,11 +8,11 @@ None). The rollout, evaluation and rejection-sampling tasks take it as it is and
 the stage cache keys and the run records see (the tool knobs under their record names,
 grpo_core/config/tools.py: ``RECORD_NAMES``).
 
-``ENGINES`` (rollout engines) and ``ENVIRONMENTS`` (the built-in environments of
-``rollout.tools``) are registries (grpo_core/registry.py) whose entries are
-``"module:attribute"`` strings imported on first use, so a config checks its names without
-loading torch or vLLM; a user registers another with ``ENGINES.add(name, factory)`` (the
-engine room re-exports both).
+``ENGINES`` (rollout engines), ``ENVIRONMENTS`` (the built-in environments of
+``rollout.tools``) and ``FUNCTION_TOOLS`` (the built-in ``rollout.functions``) are
+registries (grpo_core/registry.py) whose entries are ``"module:attribute"`` strings imported
+on first use, so a config checks its names without loading torch or vLLM; a user registers
+another with ``ENGINES.add(name, factory)`` (the engine room re-exports the first two).
 """
 
 from __future__ import annotations
@@ -31,6 +31,12 @@ ENGINES.add("vllm", "grpo_core.engines:make_vllm")
 ENVIRONMENTS: Registry = Registry("environment")
 ENVIRONMENTS.add("python", "grpo_core.engines.environments:PythonTool")
 ENVIRONMENTS.add("functions", "grpo_core.engines.functions:FunctionTools")
+ENVIRONMENTS.add("factory", "grpo_core.engines.factory_env:FactoryEnvironment")
+
+# the built-in function tools ``rollout.functions`` may name (grpo_core/engines/functions.py);
+# a user's own are ``module:function``, or registered with ``FUNCTION_TOOLS.add(name, fn)``
+FUNCTION_TOOLS: Registry = Registry("function tool")
+FUNCTION_TOOLS.add("calculator", "grpo_core.engines.functions:calculator")
 
 
 def check_engine_name(name: str, where: str = "engine") -> str:

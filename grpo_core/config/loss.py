@@ -5,7 +5,8 @@ Plain frozen dataclasses with TRL's names, without torch, so building them costs
 ``RLConfig.update_config()`` makes one, ``grpo_core.algorithm.update.grpo_update`` and
 ``grpo_core.algorithm.losses.policy_loss`` read it. A notebook user may build them by hand.
 
-The per-token objectives (``objective``) and the aggregations (``loss_type``) are registered
+The per-token objectives (``objective``), the aggregations (``loss_type``) and the advantage
+estimators (``advantage_estimator``, with an :class:`AdvantageSpec`) are registered
 here by name, each once, with its function in ``grpo_core.algorithm.losses`` as ``"module:function"``
 (imported when the loss first runs) and its :class:`LossSpec`: the config checks names
 against these registries without loading torch. Register your own with
@@ -14,6 +15,7 @@ against these registries without loading torch. Register your own with
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from grpo_core.registry import Registry
@@ -40,6 +42,33 @@ LOSS_AGGREGATIONS.add("grpo", "grpo_core.algorithm.losses:agg_grpo")
 LOSS_AGGREGATIONS.add("bnpo", "grpo_core.algorithm.losses:agg_bnpo")
 LOSS_AGGREGATIONS.add("dapo", "grpo_core.algorithm.losses:agg_dapo")
 LOSS_AGGREGATIONS.add("dr_grpo", "grpo_core.algorithm.losses:agg_dr_grpo")
+
+
+@dataclass(frozen=True)
+class AdvantageSpec:
+    """What the config checks of a registered advantage estimator: ``scales_rewards``:
+    whether it takes ``scale_rewards`` other than ``"none"`` (``dr_grpo`` and ``rloo``
+    never scale, so ``rl.scale_rewards`` must be ``none`` with them)."""
+
+    scales_rewards: bool = True
+
+
+# fn(rewards[N], group_ids[N], *, scale_rewards, ...) -> advantages[N]
+# (grpo_core/algorithm/advantages.py); the config also takes "module:function" for your own
+ADVANTAGE_ESTIMATORS: Registry = Registry("advantage estimator", spec=AdvantageSpec)
+ADVANTAGE_ESTIMATORS.add("grpo", "grpo_core.algorithm.advantages:grpo_advantages")
+ADVANTAGE_ESTIMATORS.add("dr_grpo", "grpo_core.algorithm.advantages:dr_grpo_advantages",
+                         scales_rewards=False)  # fmt: skip
+ADVANTAGE_ESTIMATORS.add("rloo", "grpo_core.algorithm.advantages:rloo_advantages",
+                         scales_rewards=False)  # fmt: skip
+
+
+def check_advantage_estimator(name: str) -> str:
+    """``name`` when registered or of the ``module:function`` form (imported when the
+    scoring runs, and by the pre-flight check), else the registry's error."""
+    if name in ADVANTAGE_ESTIMATORS or re.fullmatch(r"[\w.]+:[\w.]+", name):
+        return name
+    return ADVANTAGE_ESTIMATORS.check(name)
 
 
 def zero_advantage_is_zero_loss(loss: LossConfig) -> bool:

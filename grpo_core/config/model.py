@@ -71,6 +71,11 @@ class ModelConfig(Section):
         description="where policies train and generate: auto (the current CUDA device when "
         "there is one, else cpu), cpu, cuda, cuda:N",
     )
+    allow_slow_dtype: bool = Field(
+        False,
+        description="run bf16/fp16 settings on a CPU that emulates them (25-70x slower than "
+        "float32; refused by preflight otherwise)",
+    )
     demo: DemoModelConfig = DemoModelConfig()
 
     @field_validator("device")

@@ -10,11 +10,13 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, Field, model_validator
 
 from grpo_core.config.loss import (
+    ADVANTAGE_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_OBJECTIVES,
     EngineCorrection,
     LossConfig,
     UpdateConfig,
+    check_advantage_estimator,
 )
 from grpo_core.config.section import TrainingKnobs
 from grpo_core.config.settings import Optimization, Sampling, Scoring, same_named
@@ -34,6 +36,7 @@ def registered(registry: Registry) -> Any:
 
 
 LossTypeName = registered(LOSS_AGGREGATIONS)
+EstimatorName = Annotated[str, AfterValidator(check_advantage_estimator)]
 ObjectiveName = registered(POLICY_OBJECTIVES)
 
 
@@ -89,7 +92,11 @@ class RLConfig(TrainingKnobs):
         "dapo", description="how the per-token loss is averaged (grpo_core/algorithm/losses.py)"
     )
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    advantage_estimator: str = "grpo"
+    advantage_estimator: EstimatorName = Field(
+        "grpo",
+        description="grpo, dr_grpo, rloo (registered: grpo_core/config/loss.py), or your own "
+        "as 'module:function' with their signature",
+    )
     importance_sampling_level: Literal["token", "sequence"] = "token"
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     use_bias_correction_kl: bool = False
@@ -226,7 +233,9 @@ class RLConfig(TrainingKnobs):
 
     @model_validator(mode="after")
     def _consistent(self) -> RLConfig:
-        if self.advantage_estimator in ("dr_grpo", "rloo") and self.scale_rewards != "none":
+        name = self.advantage_estimator
+        scales = name not in ADVANTAGE_ESTIMATORS or ADVANTAGE_ESTIMATORS.spec(name).scales_rewards
+        if not scales and self.scale_rewards != "none":
             raise ValueError(
                 f"rl.advantage_estimator={self.advantage_estimator!r} never scales rewards: "
                 "set rl.scale_rewards to 'none'"

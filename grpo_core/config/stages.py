@@ -130,8 +130,14 @@ EngineName = Annotated[str, AfterValidator(_engine_name)]
 # below, under the same names and with ToolSpec's defaults, for their validation and their
 # descriptions; ``RolloutConfig.tool_spec`` copies them across by name.
 TOOL = ToolSpec()
+# max_turns for TRL's max_tool_calling_iterations: null (no cap): every model turn takes a
+# token of the completion budget, so the budget ends an episode long before this many turns
+UNCAPPED_TURNS = 1 << 20
+
 TOOL_KNOBS = tuple(
-    f.name for f in fields(ToolSpec) if f.name not in ("tools", "functions", "tool_isolation")
+    f.name
+    for f in fields(ToolSpec)
+    if f.name not in ("tools", "functions", "tool_isolation", "environment_factory")
 )
 
 
@@ -209,12 +215,27 @@ class RolloutConfig(Section):
         "call is late on the hf engine; the vllm engine then runs each turn as a request of "
         "its own, seeded on its own (docs/tools.md)",
     )
+    max_calls_per_turn: int = Field(
+        TOOL.max_calls_per_turn,
+        ge=1,
+        le=1024,
+        description="JSON function calls run per model turn; the ones after are answered "
+        "with an error, not run (verl's max_parallel_calls)",
+    )
     functions: list[str] = Field(
         default_factory=list,
         description="function tools in the chat template's JSON format (docs/tools.md): "
         "'calculator' or 'module:function' (type hints and a docstring make its schema); the "
         "rows get a 'tools' column the template declares, and rollout.tools becomes "
         "['functions']",
+    )
+    environment_factory: str | dict[str, str] | None = Field(
+        None,
+        description="environments in TRL's environment_factory shape (docs/tools.md): "
+        "'module:Class' makes one object per episode whose public methods are JSON tools, "
+        "with reset(**row) and an optional get_reward(); a mapping {name: 'module:Class'} "
+        "mixes several, each row's 'environment' column picking one; rollout.tools becomes "
+        "['factory']",
     )
     tool_truncation_mark: str = Field(
         TOOL.tool_truncation_mark,
@@ -226,11 +247,14 @@ class RolloutConfig(Section):
     @classmethod
     def _trl_names(cls, data: Any) -> Any:
         """TRL's ``max_tool_calling_iterations`` (tool-calling turns per episode) as
-        ``max_turns`` (model turns, the last one answering): N calls -> N + 1 turns."""
+        ``max_turns`` (model turns, the last one answering): N calls -> N + 1 turns; null,
+        TRL's default (no cap: the token budget ends the episode), is :data:`UNCAPPED_TURNS`."""
         if not isinstance(data, dict) or "max_tool_calling_iterations" not in data:
             return data
         data = dict(data)
         calls = data.pop("max_tool_calling_iterations")
+        if calls is None:
+            calls = UNCAPPED_TURNS - 1
         if not isinstance(calls, int) or isinstance(calls, bool) or calls < 0:
             raise ValueError(
                 f"max_tool_calling_iterations {calls!r}: a number of tool calls (>= 0; TRL's "
@@ -250,12 +274,30 @@ class RolloutConfig(Section):
                 f"rollout.functions with rollout.tools {self.tools}: function tools are their "
                 "own environment; leave rollout.tools empty (or ['functions'])"
             )
+        if self.environment_factory is not None:
+            if self.functions or self.tools not in ([], ["factory"]):
+                raise ValueError(
+                    "rollout.environment_factory with rollout.tools or rollout.functions: the "
+                    "environments' methods are the tools; leave those two empty"
+                )
+            if not self.environment_factory:
+                raise ValueError("rollout.environment_factory: name at least one environment")
         return self
 
     @property
     def environment(self) -> list[str]:
-        """``tools``, or ``['functions']`` when ``functions`` are given."""
+        """``tools``, ``['functions']`` when ``functions`` are given, ``['factory']`` with an
+        ``environment_factory``."""
+        if self.environment_factory is not None:
+            return ["factory"]
         return ["functions"] if self.functions else list(self.tools)
+
+    def factories(self) -> dict[str, str]:
+        """``environment_factory`` as ``{name: "module:Class"}`` (name "" for one), or {}."""
+        f = self.environment_factory
+        if f is None:
+            return {}
+        return {"": f} if isinstance(f, str) else dict(f)
 
     def tool_spec(self) -> ToolSpec | None:
         """The environment's settings, or None without ``tools``: this section's knobs of
@@ -263,7 +305,8 @@ class RolloutConfig(Section):
         if not self.environment:
             return None
         knobs = {name: getattr(self, name) for name in TOOL_KNOBS}
-        return ToolSpec(**knobs, tools=tuple(self.environment), functions=tuple(self.functions))
+        return ToolSpec(**knobs, tools=tuple(self.environment), functions=tuple(self.functions),
+                        environment_factory=tuple(sorted(self.factories().items())))  # fmt: skip
 
     def engine_options(self, name: str) -> dict:
         if name == "hf":

@@ -46,6 +46,12 @@ class ToolSpec:
     # turn_stream, vLLM, runs each turn as a request of its own instead); None: every call
     # (a barrier per turn, and bit-reproducible samples)
     tool_wait_s: float | None = None
+    # JSON function calls run per model turn; the rest are answered with an error, not run
+    max_calls_per_turn: int = 16
+    # the ``factory`` environment's factories (grpo_core/engines/factory_env.py), as (name,
+    # "module:Class") pairs; the name is "" for one environment, else what a row's
+    # ``environment`` column says
+    environment_factory: tuple[tuple[str, str], ...] = ()
 
     def __getattr__(self, name: str):
         """The fields' record names (``call_end``, ``timeout_s``, ...: :data:`RECORD_NAMES`),
@@ -56,7 +62,7 @@ class ToolSpec:
 
     @property
     def json_calls(self) -> bool:
-        return self.tools == ("functions",)
+        return self.tools in (("functions",), ("factory",))
 
     def as_dict(self) -> dict:
         """The settings as the stage cache keys and run records take them, under their
@@ -66,6 +72,12 @@ class ToolSpec:
             del data["sandbox"]  # keys stay as they were (the outputs are the same both ways)
         if data["wait_s"] is None:  # the barrier, the default: left out, as the sandbox
             del data["wait_s"]
+        if data["max_calls_per_turn"] == type(self).max_calls_per_turn:  # added later: the
+            del data["max_calls_per_turn"]  # default is left out, keys stay as they were
+        if not data["environment_factory"]:
+            del data["environment_factory"]
+        else:
+            data["environment_factory"] = [list(p) for p in data["environment_factory"]]
         return data
 
 
@@ -97,4 +109,5 @@ def tool_spec_of(value: ToolSpec | Mapping | None) -> ToolSpec | None:
     data = {FIELD_NAMES.get(k, k): v for k, v in dict(value).items()}
     data["tools"] = tuple(data.get("tools") or ())
     data["functions"] = tuple(data.get("functions") or ())
+    data["environment_factory"] = tuple(tuple(p) for p in data.get("environment_factory") or ())
     return ToolSpec(**data)

@@ -25,6 +25,19 @@ def as_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def valid_text(value):
+    """``value`` with every string in it (inside lists, tuples and dict keys and values)
+    made valid text by :func:`as_text`: what a tool or an environment wrote, before it is
+    recorded (a lone surrogate in an error message must not crash the Parquet writer)."""
+    if isinstance(value, str):
+        return as_text(value)
+    if isinstance(value, dict):
+        return {valid_text(k): valid_text(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(valid_text(v) for v in value)
+    return value
+
+
 def encode_observation(tok, text: str, start: str, end: str) -> list[int]:
     """The ids of an observation's ``text``: the result markers ``start``/``end`` where it
     begins and ends with them, the rest with special tokens split into characters."""
@@ -80,6 +93,25 @@ def call_turn(tok, ids: list[int], call_end: str) -> str | None:
 _PROBE = "@@grpo-assistant@@"
 
 
+def _probe_calls(messages: list[dict]) -> list[dict]:
+    """The ``tool_calls`` of the probe's assistant message: one per tool message, by its
+    ``name`` (templates such as GPT-OSS's head a tool message with the call it answers);
+    none when the messages carry no names."""
+    names = [m.get("name") for m in messages]
+    if not all(isinstance(n, str) and n for n in names):
+        return []
+    return [{"type": "function", "function": {"name": n, "arguments": {}}} for n in names]
+
+
+def _render(tok, calls: list[dict], answers: list[dict]) -> tuple[str, str]:
+    """The probe conversation rendered alone and followed by ``answers``."""
+    turn = {"role": "assistant", "content": _PROBE, **({"tool_calls": calls} if calls else {})}
+    probe = [{"role": "user", "content": "u"}, turn]
+    base = tok.apply_chat_template(probe, tokenize=False)
+    full = tok.apply_chat_template(probe + answers, tokenize=False, add_generation_prompt=True)
+    return base, full
+
+
 def encode_tool_messages(tok, messages: list[dict], limit: int, mark: list[int]) -> list[int]:
     """The ids that follow a model turn ended by its end-of-turn token (EOS) when
     ``messages`` (``tool`` messages) answer it: rendered by the chat template, as TRL builds
@@ -88,21 +120,26 @@ def encode_tool_messages(tok, messages: list[dict], limit: int, mark: list[int])
 
     The suffix is what the template renders after an assistant message: everything after
     its end-of-turn token, through the tool messages, to the next assistant turn's
-    generation prompt. A template that does not end an assistant message with the EOS text,
+    generation prompt; the assistant message names the calls answered (``tool_calls``, by
+    each message's ``name``), as TRL's probe does. A template that does not end an
+    assistant message with the EOS text,
     or that rewrites earlier messages when tool messages follow, is refused."""
-    probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}]
     slots = [f"@@grpo-tool-{i}@@" for i in range(len(messages))]
+    answers = [{**m, "content": s} for m, s in zip(messages, slots, strict=True)]
+    calls = _probe_calls(messages)
     try:
-        base = tok.apply_chat_template(probe, tokenize=False)
-        full = tok.apply_chat_template(
-            probe + [{**m, "content": s} for m, s in zip(messages, slots, strict=True)],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        try:  # the assistant message names the calls answered, as TRL's probe does
+            base, full = _render(tok, calls, answers)
+        except Exception:
+            if not calls:
+                raise
+            base, full = _render(tok, [], answers)  # a template that cannot render tool_calls
     except Exception as exc:
         raise ValueError(f"the chat template cannot render tool messages: {exc}") from exc
     eos = tok.eos_token or ""
     at = base.find(_PROBE) + len(_PROBE)
+    if calls and eos:  # the template's rendering of the calls sits before the end of turn
+        at = max(at, base.find(eos, at))
     if not eos or not base[at:].startswith(eos):
         raise ValueError(
             "the chat template does not end an assistant message with the EOS token "
@@ -116,5 +153,8 @@ def encode_tool_messages(tok, messages: list[dict], limit: int, mark: list[int])
         head, _, suffix = suffix.partition(slot)
         ids += _plain(tok, head)
         body = encode_observation(tok, str(messages[i].get("content", "")), "", "")
-        ids += body if len(body) <= limit else body[: max(0, limit - len(mark))] + mark[:limit]
+        if len(body) > limit:  # cut: at least one token of the output, then the mark
+            keep = max(1, limit - len(mark))
+            body = body[:keep] + mark[: max(0, limit - keep)]
+        ids += body
     return ids + _plain(tok, suffix)

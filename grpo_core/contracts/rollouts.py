@@ -48,8 +48,8 @@ EPISODE_COLUMNS = {
     "the token span in the completion, its text, a tool call's error (null: it ran) and wall "
     "time, and the seconds the turn loop stood still waiting for that call with nothing to "
     "sample; absent: one assistant turn",
-    "tool_calls": "tool calls in the episode",
-    "tool_errors": "tool calls that failed (raised, timed out, were killed)",
+    "tool_calls": "tool calls in the episode (a turn with several JSON calls counts each)",
+    "tool_errors": "tool calls that failed (raised, timed out, were killed, were not run)",
     "tool_time_s": "the episode's tool calls' wall time",
 }
 # Written when the environment's episodes have a reward() (docs/tools.md): what the
@@ -84,7 +84,20 @@ OPTIONAL_COLUMNS = (
     *EPISODE_PROMPT_COLUMNS,
 )
 EMPTY_TURN = {"role": "assistant", "start": 0, "end": 0, "text": "", "error": None, "seconds": 0.0,
-              "stalled": 0.0}  # fmt: skip
+              "stalled": 0.0, "calls": 0, "failed": 0}  # fmt: skip
+
+
+def turn_calls(turn: dict) -> tuple[int, int]:
+    """(tool calls, failed calls) a turn answers: its ``calls``/``failed``, or, in a file
+    written before they were recorded, one call per tool turn, failed when it has an
+    error."""
+    if turn.get("role") != "tool":
+        return 0, 0
+    if turn.get("calls") is None:
+        return 1, int(turn.get("error") is not None)
+    return int(turn["calls"]), int(turn.get("failed") or 0)
+
+
 SCORED_COLUMNS = {
     "reward_<fn>": "score of reward function <fn> (null: not applicable or failed)",
     "error_<fn>": "error raised by reward function <fn> for this row (null: none)",
@@ -95,6 +108,22 @@ SCORED_COLUMNS = {
 
 def prompt_hash(prompt: Any) -> str:
     return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def env_reward_record(sample: Sample) -> dict:
+    """The sample's ``env_reward`` and ``env_reward_error`` (:data:`ENV_REWARD_COLUMNS`)."""
+    env = sample.env or {}
+    return {"env_reward": env.get("reward"), "env_reward_error": env.get("error")}
+
+
+def env_reward_columns(samples: list[Sample]) -> dict[str, list]:
+    """The samples' :data:`ENV_REWARD_COLUMNS` as reward-function columns, when some episode's
+    environment has a ``reward()`` (else none): what the ``environment`` reward pays, for the
+    evals as for the rollouts."""
+    if not any(s.env is not None for s in samples):
+        return {}
+    records = [env_reward_record(s) for s in samples]
+    return {k: [r[k] for r in records] for k in ENV_REWARD_COLUMNS}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -156,8 +185,8 @@ def rollout_table(
             tools = [t for t in turns if t["role"] == "tool"]
             rec["loss_mask"] = s.loss_mask or [1] * n
             rec["turns"] = [{**EMPTY_TURN, **t} for t in turns]
-            rec["tool_calls"] = len(tools)
-            rec["tool_errors"] = sum(t.get("error") is not None for t in tools)
+            rec["tool_calls"] = sum(turn_calls(t)[0] for t in tools)
+            rec["tool_errors"] = sum(turn_calls(t)[1] for t in tools)
             rec["tool_time_s"] = float(sum(t.get("seconds") or 0.0 for t in tools))
         if opened:
             rec[EPISODE_PROMPT] = row["prompt"] if s.prompt is None else s.prompt
@@ -166,9 +195,7 @@ def rollout_table(
         if policy:
             rec[POLICY_LOGPROBS] = s.logprobs if s.policy_logprobs is None else s.policy_logprobs
         if env_rewards:
-            env = s.env or {}
-            rec["env_reward"] = env.get("reward")
-            rec["env_reward_error"] = env.get("error")
+            rec.update(env_reward_record(s))
         for k, v in row.items():
             if k not in rec and k != "completion":
                 rec[k] = v

@@ -52,6 +52,10 @@ class Observation:
     # tool messages ({"role": "tool", "name", "content"}) the chat template renders instead
     # of ``text`` (the ``functions`` environment)
     messages: list[dict] | None = None
+    # the tool calls this observation answers and how many of them failed (None: one call,
+    # failed when ``error`` is set); the ``functions`` environment answers several at once
+    calls: int | None = None
+    failed: int | None = None
 
 
 @runtime_checkable
@@ -173,6 +177,7 @@ def _run_call(program: str, limits: Any, spec: ToolSpec) -> Any:
 @dataclass
 class _PythonEpisode:
     tool: PythonTool
+    bounds_itself = True  # the sandbox's wall clock, CPU and memory limits bound each call
 
     def step(self, model_turn: str) -> Observation | None:
         code = called_code(model_turn, self.tool.spec)

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpo_core.config.engine import FUNCTION_TOOLS
+from grpo_core.engines.bounded import call_within
 from grpo_core.engines.environments import Observation
 
 
@@ -43,19 +45,17 @@ def calculator(expression: str) -> str:
     return _format(_Arith().eval(expression))
 
 
-FUNCTIONS: dict[str, Callable[..., Any]] = {"calculator": calculator}
-
-
 def load_function(name: str) -> Callable[..., Any]:
-    """A built-in function tool, or a ``module:function`` one."""
-    if name in FUNCTIONS:
-        return FUNCTIONS[name]
+    """A registered function tool (``FUNCTION_TOOLS``: the built-ins), or a
+    ``module:function`` one."""
+    if name in FUNCTION_TOOLS:
+        return FUNCTION_TOOLS.get(name)
     if ":" in name:
         from grpo_core.rewards.base import load_user_function
 
         return load_user_function(name)
     raise ValueError(
-        f"rollout.functions: {name!r}: give a built-in ({', '.join(FUNCTIONS)}) or "
+        f"rollout.functions: {name!r}: give a built-in ({', '.join(FUNCTION_TOOLS)}) or "
         "'module:function'"
     )
 
@@ -112,37 +112,55 @@ class FunctionTools:
 @dataclass
 class _FunctionEpisode:
     tools: FunctionTools
+    bounds_itself = True  # each call runs within rollout.tool_timeout_s (_run)
 
     def step(self, model_turn: str) -> Observation | None:
-        spec = self.tools.spec
-        calls = parse_calls(model_turn, spec.tool_call_start, spec.tool_call_end)
-        if not calls:
-            return None  # no call: the episode ends
-        start, messages, errors = time.perf_counter(), [], []
-        for call in calls:
-            name, text, error = _run(self.tools.functions, call)
-            messages.append({"role": "tool", "name": name, "content": text})
-            if error is not None:
-                errors.append(error)
-        error = "; ".join(errors)[:300] if errors else None
-        body = "\n".join(m["content"] for m in messages)
-        return Observation(body, error, time.perf_counter() - start, messages=messages)
+        return answer_calls(self.tools.functions, model_turn, self.tools.spec)
 
 
-def _run(functions: dict, call: dict | str) -> tuple[str, str, str | None]:
-    """``(name, what the model is told, error or None)`` of one call."""
+def answer_calls(functions: dict, model_turn: str, spec: Any) -> Observation | None:
+    """The ``tool`` messages answering every JSON call of ``model_turn`` with ``functions``
+    (name -> callable), each call within ``spec.tool_timeout_s``, at most
+    ``spec.max_calls_per_turn`` run; None when the turn calls nothing (the episode ends)."""
+    calls = parse_calls(model_turn, spec.tool_call_start, spec.tool_call_end)
+    if not calls:
+        return None  # no call: the episode ends
+    start, messages, errors = time.perf_counter(), [], []
+    cap = spec.max_calls_per_turn
+    for i, call in enumerate(calls):
+        if i >= cap:
+            name = call["name"] if isinstance(call, dict) else "error"
+            error = f"call {i + 1} of {len(calls)}: over {cap} calls per turn, not run"
+            text = f"Error: {error} (rollout.max_calls_per_turn)"
+        else:
+            name, text, error = _run(functions, call, spec.tool_timeout_s)
+        messages.append({"role": "tool", "name": name, "content": text})
+        if error is not None:
+            errors.append(error)
+    error = "; ".join(errors)[:300] if errors else None
+    body = "\n".join(m["content"] for m in messages)
+    return Observation(body, error, time.perf_counter() - start, messages=messages,
+                       calls=len(calls), failed=len(errors))  # fmt: skip
+
+
+def _run(functions: dict, call: dict | str, timeout_s: float) -> tuple[str, str, str | None]:
+    """``(name, what the model is told, error or None)`` of one call, run within
+    ``timeout_s`` (grpo_core/engines/bounded.py): whatever it raises or returns that is not
+    text or JSON is its error."""
     if isinstance(call, str):
         return "error", f"Error: {call}", call
     name, fn = call["name"], functions.get(call["name"])
     if fn is None:
         error = f"no function {name!r}; the tools are {', '.join(functions)}"
         return name, f"Error: {error}", error
-    try:
+
+    def run() -> str:
         value = fn(**call["arguments"])
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"[:300]
+        return value if isinstance(value, str) else json.dumps(value, default=str)
+
+    text, error = call_within(run, timeout_s, f"function {name!r}")
+    if error is not None:
         return name, f"Error: {error}", error
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
     return name, text, None
 
 

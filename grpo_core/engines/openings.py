@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_core.contracts.observations import as_text, valid_text
 from grpo_core.contracts.text import extend_prompt, row_prompt_ids
 from grpo_core.engines.environments import Observation
 
@@ -48,6 +49,15 @@ class Unstarted:
         raise RuntimeError(self.error)
 
 
+@dataclass
+class UnstartedWithReward(Unstarted):
+    """An episode with a ``reward()`` whose ``reset()`` failed: its reward is that error (not
+    "the episodes define no reward()")."""
+
+    def reward(self) -> float | None:
+        raise RuntimeError(self.error)
+
+
 def open_episodes(
     env, prompt_ids: list[list[int]], rows, n: int, tokenizer, context: int | None = None
 ) -> list[Opening]:
@@ -67,21 +77,23 @@ def open_episode(
     the prompt ``reset`` extended must leave a completion token of, None: unknown)."""
     try:
         episode = env.start(row)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         return Opening(Unstarted(_error("the environment did not start", exc)), ids)
     reset = getattr(episode, "reset", None)
     if not callable(reset):
         return Opening(episode, ids)
     try:
-        addition = reset()
+        addition = valid_text(reset())  # recorded as the episode's prompt: valid text
         if addition is None or addition == "" or addition == []:
             return Opening(episode, ids)
         if row is None:
             raise ValueError("it added to the prompt, but the caller gave no data row")
         prompt = extend_prompt(row["prompt"], addition)
         extended = row_prompt_ids(tokenizer, {**row, "prompt": prompt})
-    except Exception as exc:
-        return Opening(Unstarted(_error("the environment's reset() failed", exc)), ids)
+    except (Exception, SystemExit) as exc:
+        rewarded = any(callable(getattr(episode, k, None)) for k in ("reward", "get_reward"))
+        failed = UnstartedWithReward if rewarded else Unstarted
+        return Opening(failed(_error("the environment's reset() failed", exc)), ids)
     if context is not None and len(extended) >= context:
         error = (
             f"the environment's reset() made the prompt too long: {len(extended):,} tokens "
@@ -102,4 +114,4 @@ def completion_budget(opening: Opening, max_new_tokens: int, context: int | None
 
 
 def _error(what: str, exc: Exception) -> str:
-    return f"{what}: {type(exc).__name__}: {exc}"[:300]
+    return as_text(f"{what}: {type(exc).__name__}: {exc}"[:300])

@@ -6,8 +6,12 @@ free, and, once it has ended, its :class:`Sample` with the environment's own rew
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from grpo_core.contracts.observations import as_text
+from grpo_core.engines.bounded import describe
 
 if TYPE_CHECKING:
     from grpo_core.engines.generation import Sample
@@ -35,7 +39,7 @@ class Trajectory:
     stalled: float = 0.0  # seconds the loop stood still for its pending call (recorded next)
 
     def add(self, role: str, ids, logprobs, text: str, *, error=None, seconds=0.0,
-            policy=None) -> None:  # fmt: skip
+            policy=None, calls: int | None = None, failed: int | None = None) -> None:  # fmt: skip
         start = len(self.ids)
         self.ids += ids
         self.logprobs += logprobs
@@ -44,9 +48,14 @@ class Trajectory:
         self.mask += [1 if role == "assistant" else 0] * len(ids)
         self.left -= len(ids)
         stalled, self.stalled = (self.stalled, 0.0) if role == "tool" else (0.0, self.stalled)
+        text, error = as_text(text), None if error is None else as_text(str(error))
+        if role == "tool":  # the calls the observation answers, and the failed ones
+            calls = 1 if calls is None else calls
+            failed = int(error is not None) if failed is None else failed
         self.turns.append({"role": role, "start": start, "end": len(self.ids), "text": text,
                            "error": error, "seconds": round(seconds, 4),
-                           "stalled": round(stalled, 4)})  # fmt: skip
+                           "stalled": round(stalled, 4), "calls": calls or 0,
+                           "failed": failed or 0})  # fmt: skip
 
     @property
     def model_turns(self) -> int:
@@ -71,12 +80,14 @@ def env_reward(episode) -> dict | None:
     with the error when it raises or returns something else; None when it has no
     ``reward()``."""
     ask = getattr(episode, "reward", None)
+    if not callable(ask):  # TRL's environments name it get_reward()
+        ask = getattr(episode, "get_reward", None)
     if not callable(ask):
         return None
     try:
         value = ask()
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise TypeError(f"reward() returned {type(value).__name__}, expected a number or None")
         return {"reward": None if value is None else float(value), "error": None}
-    except Exception as exc:
-        return {"reward": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    except (Exception, SystemExit) as exc:
+        return {"reward": None, "error": as_text(describe(exc))}

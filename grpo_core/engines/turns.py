@@ -60,6 +60,7 @@ from grpo_core.contracts.observations import (
     encode_observation,
     encode_tool_messages,
 )
+from grpo_core.engines.bounded import as_observation, call_guarded, call_within, clip_chars
 from grpo_core.engines.environments import Observation, ToolSpec, environment, load_spec
 from grpo_core.engines.openings import completion_budget, open_episodes
 from grpo_core.engines.trajectory import Trajectory
@@ -366,9 +367,15 @@ class _Episodes:
         ep, text = call
         start = time.perf_counter()
         try:
-            return ep.env.step(text)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"[:300]
+            if getattr(ep.env, "bounds_itself", False):  # the python tool, function tools
+                value, error = call_guarded(lambda: ep.env.step(text))
+            else:  # a user's environment: step() within one call's deadline
+                value, error = call_within(
+                    lambda: ep.env.step(text), self.spec.tool_timeout_s, "the environment's step()"
+                )
+            obs, error = (None, error) if error is not None else as_observation(value)
+            if error is None:
+                return obs
             body = f"{self.spec.tool_result_start}{error}{self.spec.tool_result_end}"
             return Observation(body, error, time.perf_counter() - start)
         finally:
@@ -384,14 +391,20 @@ class _Episodes:
             self.marks = (encode_mark(tok, spec.tool_truncation_mark),
                           tok(spec.tool_result_end, add_special_tokens=False)["input_ids"])  # fmt: skip
         mark, end = self.marks
+        limit = spec.max_tool_output_tokens
         if obs.messages is not None:  # tool messages, rendered by the chat template
-            ids = encode_tool_messages(tok, obs.messages, spec.max_tool_output_tokens, mark)
+            messages = [
+                {**m, "content": clip_chars(str(m.get("content", "")), limit)} for m in obs.messages
+            ]
+            ids = encode_tool_messages(tok, messages, limit, mark)
         else:
-            ids = encode_observation(tok, obs.text, spec.tool_result_start, spec.tool_result_end)
-            ids = clip_observation(ids, spec.max_tool_output_tokens, mark, end)
+            text = clip_chars(obs.text, limit, spec.tool_result_end)
+            ids = encode_observation(tok, text, spec.tool_result_start, spec.tool_result_end)
+            ids = clip_observation(ids, limit, mark, end)
         take = ids[: ep.left]
         text = tok.decode(take, skip_special_tokens=True)
-        ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds)
+        ep.add("tool", take, [0.0] * len(take), text, error=obs.error, seconds=obs.seconds,
+               calls=obs.calls, failed=obs.failed)  # fmt: skip
         if len(take) < len(ids) or ep.left <= 0:
             ep.finish = "length"
             return False

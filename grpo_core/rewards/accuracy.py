@@ -20,11 +20,13 @@ from typing import Any
 
 from grpo_core.contracts.text import extract_boxed
 from grpo_core.rewards import mathverify
-from grpo_core.rewards.base import completion_text, register
+from grpo_core.rewards.base import Scores, completion_text, register
 
 REL_TOL = 1e-6
 ABS_TOL = 1e-9
 
+MAX_EXPONENT = mathverify.MAX_DIGITS  # 1e<more> is not computed as an exact number
+_EXPONENT_RE = re.compile(r"[eE]([+-]?\d+)$")
 _NUMBER_RE = re.compile(
     r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?"
     r"|[+-]?\.\d+(?:[eE][+-]?\d+)?"
@@ -54,6 +56,9 @@ def parse_number(s: str) -> Fraction | None:
         s = s[2:-2].strip()
     if not _NUMBER_RE.fullmatch(s):
         return None
+    exponent = _EXPONENT_RE.search(s)
+    if exponent and abs(int(exponent.group(1))) > MAX_EXPONENT:
+        return None  # Fraction("1e999999999") computes a billion-digit integer
     try:
         return Fraction(s.replace(",", "").replace(" ", ""))
     except (ValueError, ZeroDivisionError):
@@ -112,7 +117,7 @@ def answers_match(pred: str, gold: str) -> bool:
         pnum = parse_number(p)
         if pnum is not None:
             return numbers_equal(pnum, gnum)
-    verdict = mathverify.verify(p, g)
+    verdict = mathverify.verify(p, g)  # raises CheckFailed past its bounds
     if verdict is not None:
         return verdict
     # math-verify absent or gold unparseable by it: plain strings still compare as strings
@@ -133,6 +138,20 @@ def _score(pred: str | None, gold: Any, *, gold_required_parse: bool) -> float |
     return 1.0 if answers_match(pred, g) else 0.0
 
 
+def _scores(preds: list[str | None], golds: list, *, gold_required_parse: bool) -> Scores:
+    """:func:`_score` of each row; a row whose answer math-verify could not check within its
+    bounds (grpo_core/rewards/mathverify.py) scores 0.0 with the reason as its error."""
+    values, errors = [], []
+    for pred, gold in zip(preds, golds, strict=True):
+        try:
+            values.append(_score(pred, gold, gold_required_parse=gold_required_parse))
+            errors.append(None)
+        except mathverify.CheckFailed as e:
+            values.append(0.0)
+            errors.append(f"CheckFailed: {e}")
+    return Scores(values, errors)
+
+
 def boxed_or_tag(text: str) -> str | None:
     """``math_verify``'s answer: the last ``\\boxed{}``, else the last ``<answer>`` tag."""
     found = extract_boxed(text)
@@ -147,10 +166,8 @@ def accuracy(
     or math-verify equivalence), 0.0 if wrong or absent, None if the gold is unusable."""
     if answer is None:
         raise ValueError("reward 'accuracy' needs an 'answer' column")
-    return [
-        _score(extract_tag(completion_text(c)), gold, gold_required_parse=False)
-        for c, gold in zip(completions, answer, strict=True)
-    ]
+    preds = [extract_tag(completion_text(c)) for c in completions]
+    return _scores(preds, list(answer), gold_required_parse=False)
 
 
 @register("math_verify", columns=("answer",), extract_answer=boxed_or_tag)
@@ -162,7 +179,5 @@ def math_verify_reward(
     number nor (with math-verify installed) as LaTeX/math."""
     if answer is None:
         raise ValueError("reward 'math_verify' needs an 'answer' column")
-    return [
-        _score(boxed_or_tag(completion_text(c)), gold, gold_required_parse=True)
-        for c, gold in zip(completions, answer, strict=True)
-    ]
+    preds = [boxed_or_tag(completion_text(c)) for c in completions]
+    return _scores(preds, list(answer), gold_required_parse=True)

@@ -15,7 +15,8 @@ from typing import Any
 
 from grpo_core.rewards.accuracy import _score as _answer_score
 from grpo_core.rewards.accuracy import extract_tag
-from grpo_core.rewards.base import RewardFn, completion_text, register
+from grpo_core.rewards.base import RewardFn, Scores, completion_text, register
+from grpo_core.rewards.mathverify import CheckFailed
 
 
 def _lengths(completions: Sequence[Any], completion_ids: Sequence[Any] | None) -> list[int]:
@@ -97,12 +98,18 @@ def cosine_scaled(
         if answer is None:
             raise ValueError("reward 'cosine' needs an 'answer' column")
         out: list[float | None] = []
+        errors: list[str | None] = []
         for c, gold, n in zip(
             completions, answer, _lengths(completions, completion_ids), strict=True
         ):
-            correct = _answer_score(
-                extract_tag(completion_text(c)), gold, gold_required_parse=False
-            )
+            try:
+                correct = _answer_score(
+                    extract_tag(completion_text(c)), gold, gold_required_parse=False
+                )
+                errors.append(None)
+            except CheckFailed as e:  # not checkable within the bounds: scored as wrong
+                correct = 0.0
+                errors.append(f"CheckFailed: {e}")
             if correct is None:
                 out.append(None)
                 continue
@@ -113,7 +120,7 @@ def cosine_scaled(
             )
             progress = min(n, max_len) / max_len
             out.append(lo + 0.5 * (hi - lo) * (1.0 + math.cos(progress * math.pi)))
-        return out
+        return Scores(out, errors)
 
     return cosine
 

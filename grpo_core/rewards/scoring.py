@@ -109,6 +109,9 @@ def _row_columns(columns: Mapping[str, Sequence[Any]], i: int) -> dict[str, list
     return {k: [v[i]] for k, v in columns.items()}
 
 
+MAX_REWARD = 1e12  # a score's magnitude; beyond it the row is unscorable, with the reason
+
+
 def _check_value(name: str, value: Any) -> tuple[float | None, str | None]:
     """Validate one returned score: a finite real number or ``None`` (= not applicable). NaN
     is scored as not applicable, as TRL's ``nansum`` does, and reported as an error."""
@@ -130,8 +133,11 @@ def _check_value(name: str, value: Any) -> tuple[float | None, str | None]:
             f"ValueError: reward function {name!r} returned NaN (return None for a row it does "
             "not apply to)"
         )
-    if math.isinf(number):
-        return None, f"ValueError: reward function {name!r} returned {number}"
+    if math.isinf(number) or abs(number) > MAX_REWARD:
+        return None, (
+            f"ValueError: reward function {name!r} returned {number}, beyond +-{MAX_REWARD:g} "
+            "(weighted sums and standard deviations of such values overflow)"
+        )
     return number, None
 
 

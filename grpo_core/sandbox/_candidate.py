@@ -29,6 +29,8 @@ only ever receives plain data on its pipe, and decides every assert itself.
 """
 
 import builtins as _builtins
+import hashlib as _hashlib
+import random as _random
 import sys as _sys
 
 
@@ -87,6 +89,22 @@ class _Capture:
         return out + (f"\n... ({self.dropped} more characters)" if self.dropped else "")
 
 
+def _seed_call(program):
+    """A tool call's random numbers are a function of the call: ``random`` (and numpy's global
+    generator, when the program names numpy) seeded from the program's text, as the hash seed
+    is fixed, so a seeded rerun that samples the same call gets the same output."""
+    digest = _hashlib.sha256(program.encode("utf-8", "backslashreplace")).digest()
+    seed = int.from_bytes(digest[:8], "big")
+    _random.seed(seed)
+    if "numpy" in program:
+        try:
+            import numpy
+
+            numpy.random.seed(seed % (1 << 32))
+        except BaseException:  # not installed or not importable here: nothing to seed
+            pass
+
+
 def _exec_program(first, named_main, capture):
     """Run ``first["program"]`` (then dropped from ``first``) in a fresh namespace, as
     ``__main__`` when ``named_main``, with stdout and stderr going to ``capture`` when given:
@@ -95,6 +113,7 @@ def _exec_program(first, named_main, capture):
     ns = {"__name__": "__main__" if named_main else "__candidate__", "__builtins__": _builtins}
     if capture is not None:
         _sys.stdout = _sys.stderr = capture
+        _seed_call(first["program"])
     ok, error = True, ""
     try:
         code = compile(first["program"], "<program>", "exec")

@@ -15,6 +15,11 @@
   (``shmget``/``shmat``, ``msgget``/``msgsnd``, ``semget``: kernel memory outside
   ``RLIMIT_AS``), no POSIX message queue (``mq_open``: it outlives the process in the IPC
   namespace, which a warm tool sandbox keeps across calls);
+- no larger socket or pipe buffers: ``setsockopt(SOL_SOCKET, SO_SNDBUF / SO_RCVBUF / their
+  FORCE variants)`` and ``fcntl(F_SETPIPE_SZ)`` fail (EPERM). Buffers are kernel memory
+  outside ``RLIMIT_AS``: 30 socket pairs raised to the host's ``wmem_max`` and filled held
+  470 MiB past a 512 MiB cap; at the defaults, ``RLIMIT_NOFILE`` (64) bounds them to about
+  13 MiB;
 - no change of the parent-death signal (``prctl(PR_SET_PDEATHSIG)``), so a candidate process
   always dies with its harness;
 - with ``processes=False``: no new process at all (``fork``, ``vfork``, a ``clone`` without
@@ -57,6 +62,8 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "msgget": 68,
             "msgsnd": 69,
             "mq_open": 240,
+            "setsockopt": 54,
+            "fcntl": 72,
         },
     ),  # fmt: skip
     "aarch64": (
@@ -83,6 +90,8 @@ _ARCHES = {  # machine: (AUDIT_ARCH, syscall numbers)
             "shmget": 194,
             "shmat": 196,
             "mq_open": 180,
+            "setsockopt": 208,
+            "fcntl": 25,
         },
     ),  # fmt: skip
 }
@@ -92,6 +101,8 @@ _CLONE_THREAD = 0x00010000
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 1, 38, 22, 2
 _LD, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_{LD|W|ABS, JMP|K, RET|K}
 _ALLOW, _ERRNO = 0x7FFF0000, 0x00050000
+_SOL_SOCKET, _BUFFER_OPTS = 1, (7, 8, 32, 33)  # SO_SNDBUF, SO_RCVBUF, SO_{SND,RCV}BUFFORCE
+_F_SETPIPE_SZ = 1031
 
 
 class _Filter(ctypes.Structure):
@@ -136,6 +147,8 @@ def seccomp_program(machine, processes):
         (None, _JEQ, nr["clone"], "clone", None),
         (None, _JEQ, nr["clone3"], "enosys", None),
         (None, _JEQ, nr["prctl"], "prctl", None),
+        (None, _JEQ, nr["setsockopt"], "setsockopt", None),
+        (None, _JEQ, nr["fcntl"], "fcntl", None),
     ]
     lines += [(None, _JEQ, nr[name], "eperm", None) for name in deny]
     lines += [
@@ -146,6 +159,14 @@ def seccomp_program(machine, processes):
         (None, _RET, _ALLOW if processes else _ERRNO | errno.EPERM, None, None),
         ("prctl", _LD, 16, None, None),
         (None, _JEQ, _PR_SET_PDEATHSIG, "eperm", None),
+        (None, _RET, _ALLOW, None, None),
+        ("setsockopt", _LD, 24, None, None),  # args[1]: the level
+        (None, _JEQ, _SOL_SOCKET, None, "allow"),
+        (None, _LD, 32, None, None),  # args[2]: the option
+        *[(None, _JEQ, opt, "eperm", None) for opt in _BUFFER_OPTS],
+        (None, _RET, _ALLOW, None, None),
+        ("fcntl", _LD, 24, None, None),  # args[1]: the command
+        (None, _JEQ, _F_SETPIPE_SZ, "eperm", None),
         ("allow", _RET, _ALLOW, None, None),
         ("eperm", _RET, _ERRNO | errno.EPERM, None, None),
         ("enosys", _RET, _ERRNO | errno.ENOSYS, None, None),

@@ -1,6 +1,7 @@
 """Supervised fine-tuning on prompt/completion pairs, loss on completion tokens only.
 
-Used for the cold start (worked examples) and for re-SFT on rejection-sampled completions.
+Used for the cold start (worked examples) and for re-SFT on rejection-sampled completions;
+what a row trains on (its ids and loss mask) is grpo_core/training/sft_examples.py's.
 Optionally stops early once greedy accuracy on a dev split reaches a target, so the RL
 stage starts inside the band where groups have reward variance.
 
@@ -22,12 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from grpo_core.config.settings import SFTSettings, settings_or_knobs
-from grpo_core.contracts.conversation import MaskedIds, encode_conversation, is_conversation
-from grpo_core.contracts.text import encode_completion, row_prompt_ids
 from grpo_core.logprobs.model import model_logprobs
 from grpo_core.logprobs.precision import Precision
 from grpo_core.training.checkpoint import TRAINER_STATE, load_trainer_state, save_checkpoint
 from grpo_core.training.parallel import LOCAL, LocalParallel
+from grpo_core.training.sft_examples import encode_examples
 from grpo_core.training.train_state import TrainState, load_weights_, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
@@ -41,65 +41,6 @@ class SFTResult:
     dev_history: list[dict]  # {"step", "accuracy"} at each dev evaluation
     stopped_early: bool
     resumed_from: int = 0  # the step of the resume checkpoint this run continued from
-
-
-def encode_examples(
-    tokenizer, rows: list[dict], mask_spans: tuple = ()
-) -> list[tuple[list[int], list[int]]]:
-    """(prompt_ids, completion_ids + eos) for rows with ``prompt`` and ``completion``. With
-    ``mask_spans`` ((start, end) marker pairs), a completion holding such a span is encoded
-    piece by piece, each span alone (as the turn loop tokenises an observation), and its
-    tokens get no loss (:class:`MaskedIds`). A completion given as chat messages (assistant
-    turns and the ``tool`` messages answering them) is laid out as the turn loop samples it,
-    loss on the assistant's turns only (grpo_core/contracts/conversation.py)."""
-    out = []
-    for i, row in enumerate(rows):
-        if "prompt" not in row or "completion" not in row:
-            raise ValueError(f"SFT row {i}: needs 'prompt' and 'completion', has {sorted(row)}")
-        text = row["completion"]
-        if is_conversation(text):
-            try:
-                completion = encode_conversation(tokenizer, row["prompt"], text, row.get("tools"))
-            except ValueError as e:
-                raise ValueError(f"SFT row {i}, field 'completion': {e}") from None
-            out.append((row_prompt_ids(tokenizer, row), completion))
-            continue
-        pieces = split_spans(text, mask_spans) if mask_spans else [(text, 1)]
-        if len(pieces) == 1:
-            completion = encode_completion(tokenizer, text)
-        else:
-            completion = MaskedIds()
-            completion.mask = []
-            for piece, keep in pieces:
-                ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-                completion += ids
-                completion.mask += [keep] * len(ids)
-            completion.append(tokenizer.eos_token_id)
-            completion.mask.append(1)
-        out.append((row_prompt_ids(tokenizer, row), completion))
-    return out
-
-
-def split_spans(text: str, spans: tuple) -> list[tuple[str, int]]:
-    """``text`` cut into ``(piece, 1)`` and ``(span, 0)`` pieces, a span running from a start
-    marker to the first end marker after it (to the text's end when none follows)."""
-    if not all(a and b for a, b in spans):
-        raise ValueError(f"mask_spans: {[list(s) for s in spans]}: markers must be non-empty")
-    pieces, pos = [], 0
-    while True:
-        hits = [(text.find(a, pos), a, b) for a, b in spans if text.find(a, pos) >= 0]
-        if not hits:
-            break
-        start, _, end_marker = min(hits)
-        end = text.find(end_marker, start)
-        end = len(text) if end < 0 else end + len(end_marker)
-        if start > pos:
-            pieces.append((text[pos:start], 1))
-        pieces.append((text[start:end], 0))
-        pos = end
-    if pos < len(text) or not pieces:
-        pieces.append((text[pos:], 1))
-    return pieces
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int):

@@ -6,7 +6,7 @@ tokenizer and its config: the replicas load the weights from the checkpoint the 
 group wrote (``cluster/rollout_workers.py``), so the driver never holds the model nor ships
 a second copy of it through Ray's object store. :func:`files` hands out that light handle;
 where the weights exist only in memory (this process's learner holds them, or the stage
-replayed them there: tasks/policies/lineage.py), it returns a handle with the ``model``.
+replayed them there: tasks/policies/trainer.py), it returns a handle with the ``model``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.policies import lineage
 from tasks.policies import ref as policy_ref
+from tasks.policies.trainer import open_trainer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -36,13 +36,14 @@ class PolicyFiles:
 
 def files(checkpoint: str | Path):
     """``checkpoint``'s :class:`PolicyFiles`, or a handle on the weights in memory
-    (``lineage.handle``) when this process's learner holds them or they are on no disk."""
+    (``Trainer.handle``) when this process's learner holds them or they are on no disk."""
     at = policy_ref.locate(checkpoint)
     pid = at.policy_id
     weights = at.saved()  # the folder itself, or a record's kept one
     on_disk = weights is not None and (Path(weights) / "config.json").exists()
-    if lineage.holding(pid) is not None or not on_disk:
-        return lineage.handle(checkpoint)
+    trainer = open_trainer()
+    if trainer.holding(pid) is not None or not on_disk:
+        return trainer.handle(checkpoint)
     from transformers import AutoConfig
 
     weights = Path(weights)

@@ -1,6 +1,6 @@
 """An RL iteration's policy without its weights on disk: ``iter_NNNN/policy.json``.
 
-An RL update keeps its new weights in memory (the learner: tasks/policies/lineage.py) and
+An RL update keeps its new weights in memory (the learner: tasks/policies/trainer.py) and
 writes them only at
 the stage's save points (``rl.save_steps``; grpo_core/training/checkpoint_writer.py). What it always
 writes is this small record: the new weights' ``policy_id`` (their content hash, computed in
@@ -8,7 +8,7 @@ memory), the optimizer step reached, the kept checkpoint folder when there is on
 to make the weights again: the policy the update started from (another record, or a
 checkpoint folder) and the update's own arguments, whose scored file is in the run folder.
 A task handed a record whose weights are neither in memory nor kept replays the updates from
-the nearest kept state (:func:`tasks.policies.lineage.learner_at`); on CPU, where the update is
+the nearest kept state (:meth:`tasks.policies.trainer.Trainer.learner_at`); on CPU, where the update is
 deterministic, that gives the same weights bit for bit, and the record's ``policy_id`` is
 checked. Paths are stored relative to the run folder (tasks/cache.py: ``portable``).
 """

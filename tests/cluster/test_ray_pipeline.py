@@ -1,12 +1,18 @@
 """`grpo run` of the demo at the tests' tiny budget with ``cluster.backend=ray`` (2 rollout
 replicas, 2 trainer ranks on gloo, 2 scoring tasks) on a local Ray head: every stage runs,
 the rollout and scored files keep their contracts, and held-out accuracy is reported beside the local run's at the
-same seed (the samples differ: each shard has its own seed, so the numbers need not match)."""
+same seed (the samples differ: each shard has its own seed, so the numbers need not match).
+The same run with trainer rank 1 killed between two rl_1 updates goes on by itself and ends
+with the undisturbed run's weights at every stage."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -50,14 +56,32 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
     return r1_pipeline(cfg)
 
 
+def _kill_rank_1_once(record: Path) -> list[int]:
+    """SIGKILL trainer rank 1 once ``record`` (an rl_1 iteration's policy record: its update
+    is done, the next is to come) exists; the pid killed goes in the list returned."""
+    killed: list[int] = []
+
+    def watch():
+        deadline = time.monotonic() + 900
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        group = trainer_group.running()
+        if group is not None and record.exists():
+            os.kill(group.pids[1], signal.SIGKILL)
+            killed.append(group.pids[1])
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
+
+
 @pytest.mark.slow
 def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_path):
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
 
     store = tmp_path / "store"  # storage.url: the run folder also mirrored (cluster/storage.py)
     ray_summary = _run(tmp_path, "ray", [*RAY, f"storage.url=file://{store}"])
     # the driver held no policy: the ranks trained, the replicas loaded each new checkpoint
-    held = lineage.held()
+    held = open_trainer().held()
     assert held.stats["loads"] == 0 and held.learner is None and not held.loaded
     (group,) = rollout_workers.groups()
     assert len(group.actors) == 2 and group.replaced == 0
@@ -104,6 +128,14 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
     assert "rl_1/iter_0001/policy.json.stage.json" in mirrored  # the trainer group's update
     # its checkpoint (rank 0 writes every update's, for the replicas): the last, a save point
     assert "rl_1/iter_0001/checkpoint/trainer_state.pt" in mirrored
+
+    killed = _kill_rank_1_once(Workspace(tmp_path / "killed" / "demo").policy_ref("rl_1", 0))
+    _run(tmp_path, "killed", [*RAY, f"storage.url=file://{tmp_path / 'store2'}"])
+    assert killed and killed[0] not in trainer_group.running().pids  # a new group took over
+    for stage in CHECKPOINT_STAGES:  # and the run ended with the undisturbed run's weights
+        ours = Workspace(tmp_path / "killed" / "demo").checkpoint(stage) / "policy_id.txt"
+        theirs = ws.checkpoint(stage) / "policy_id.txt"
+        assert ours.read_text().split()[0] == theirs.read_text().split()[0], stage
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}

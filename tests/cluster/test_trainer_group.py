@@ -175,6 +175,65 @@ def test_a_killed_trainer_actor_names_the_role_and_iteration(
 
 
 @pytest.mark.slow
+def test_a_trainer_rank_lost_between_updates_is_replaced_and_the_stage_ends_the_same(
+    ray_trainers, tiny_checkpoint, tmp_path, caplog
+):
+    """Rank 1's actor killed between two updates (as its node going would): the next update
+    starts a new group, whose ranks load the policy it starts from (the first update's
+    checkpoint and train state), and ends with the weights of the run nobody killed."""
+    import ray
+
+    from cluster import trainer_group
+    from tasks.update import run_update
+
+    scored = scored_file(tmp_path)
+    rl = load_config(None, OVERRIDES).rl
+    pids = []
+
+    def kill_rank_1_after(request, iteration):
+        res = run_update(request, iteration=iteration)
+        group = trainer_group.trainer_group(ray_trainers)
+        pids.append(group.pids)
+        if iteration == 0:
+            ray.kill(group.actors[1], no_restart=True)
+        return res
+
+    alive = _chain(tmp_path, "alive", tiny_checkpoint, scored, rl,
+                   lambda request, iteration: run_update(request, iteration=iteration))  # fmt: skip
+    with caplog.at_level("WARNING", logger="cluster.executor"):
+        lost = _chain(tmp_path, "lost", tiny_checkpoint, scored, rl, kill_rank_1_after)
+    assert "rl_1 iteration 1 update: trainer worker rank 1 of 2" in caplog.text
+    assert "starting a new trainer group (restart 1 of 1)" in caplog.text
+    assert set(pids[0]).isdisjoint(pids[1])  # a new group did the second update
+    for one, two in zip(alive, lost, strict=True):
+        assert two.global_step == one.global_step
+        a, b = _weights(one.checkpoint), _weights(two.checkpoint)
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_that_raises_is_not_retried(ray_trainers, tiny_checkpoint, tmp_path):
+    """A rank that raises (a bug, bad input) would raise again: one line, no new group."""
+    from cluster import trainer_group
+    from cluster.trainer_group import TrainerGroupError
+    from tasks.update import UpdateRequest, run_update
+
+    first = trainer_group.trainer_group(ray_trainers)
+    request = UpdateRequest(
+        policy_path=str(tiny_checkpoint),
+        scored_path=str(tmp_path / "missing.parquet"),
+        out_checkpoint=str(tmp_path / "out"),
+        rl=load_config(None, OVERRIDES).rl,
+        stage="rl_1",
+    )
+    with pytest.raises(TrainerGroupError, match="raised") as e:
+        run_update(request, iteration=0)
+    assert not e.value.lost
+    assert trainer_group.running() is first and first.actors == []  # stopped, not restarted
+
+
+@pytest.mark.slow
 def test_trainer_ranks_pull_their_inputs_from_the_shared_store(
     ray_trainers, tiny_checkpoint, tmp_path
 ):
@@ -312,7 +371,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
 
     from cluster import runtime, trainer_group
     from grpo_core.demo.task import make_splits
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.sft import run_sft
 
     rows = make_splits(digits=2, n_sft=n_rows, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
@@ -322,7 +381,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
                   data_path=str(data), cfg=cfg)  # fmt: skip
 
     runtime.configure(ClusterConfig())
-    lineage.forget()
+    open_trainer().forget()
     local: list = []  # the one-process run's per-step metrics, as it logs them live
     restored: list = []  # the ranks': handed to the driver with rank 0's result
     one = run_sft(**kwargs, out_checkpoint=str(tmp_path / "one"),
@@ -337,7 +396,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
     finally:
         trainer_group.release()
         runtime.configure(ray_trainers)
-        lineage.forget()
+        open_trainer().forget()
     assert len(set(pids)) == 2 and os.getpid() not in pids  # trained on the actors
     assert two.steps == one.steps == cfg.max_steps and two.history is None
     # a gradient norm sums squares of rounded sums: it drifts first (4e-5 by step 23)

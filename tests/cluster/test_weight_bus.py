@@ -128,7 +128,7 @@ def ray_roles(ray_head):
 def test_replicas_take_the_trainers_weights_over_the_bus(
     ray_roles, ray_head, tiny_checkpoint, tmp_path, strategy
 ):
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
 
     res = _update_then_sample(_cluster(strategy), tiny_checkpoint, tmp_path)
     (group,) = rollout_workers.groups()
@@ -137,7 +137,7 @@ def test_replicas_take_the_trainers_weights_over_the_bus(
     assert sync["bytes"] > 0 and group.replaced == 0
     ids = ray_head.get([a.weights_id.remote() for a in group.actors])
     assert ids == [res.policy_id] * 2  # bit for bit the trainer's (and the checkpoint's)
-    held = lineage.held()
+    held = open_trainer().held()
     assert held.learner is None and not held.loaded  # the driver loaded no model
 
 

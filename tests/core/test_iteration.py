@@ -16,7 +16,7 @@ from grpo_core.engines.hf import HFEngine
 from grpo_core.training.checkpoint import load_checkpoint, policy_id
 from grpo_core.training.train_state import TrainState
 from grpo_core.training.weights_id import savable_state_dict, state_dict_id
-from tasks.policies import lineage
+from tasks.policies.trainer import open_trainer
 from tasks.score import score_file
 from tasks.update import UpdateRequest, update_from_file
 
@@ -57,11 +57,11 @@ def test_an_iteration_runs_as_plain_calls_and_as_the_stage_tasks(tiny_checkpoint
         assert on_disk.column(col).to_pylist() == scored.table.column(col).to_pylist()
     assert out.metrics["reward"] == pytest.approx(scored.metrics["reward"])
     try:
-        lineage.forget()
+        open_trainer().forget()
         res = update_from_file(
             UpdateRequest(str(tiny_checkpoint), str(scored_path), str(tmp_path / "ck"), RL)
         )
         assert res.policy_id == after  # bit for bit the notebook's weights
         assert [h["loss"] for h in res.history] == [h["loss"] for h in update.history]
     finally:
-        lineage.forget()
+        open_trainer().forget()

@@ -88,7 +88,7 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
     LoRA policy with checkpointing on (the summary describes the model they trained), and
     write the one-process LoRA update's weights."""
     from cluster import process
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.update import UpdateRequest, update_from_file
 
     model_sets = ["model.gradient_checkpointing=true", "model.lora={r: 4, alpha: 8}"]
@@ -97,7 +97,7 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
     before = process.STATE.model
     process.load_policies_with(cfg.model)
     try:
-        lineage.forget()
+        open_trainer().forget()
         one = update_from_file(UpdateRequest(
             str(tiny_checkpoint), scored, str(tmp_path / "one"), cfg.rl,
             reference_checkpoint=str(tiny_checkpoint),
@@ -105,7 +105,7 @@ def test_torchrun_ranks_load_the_policy_as_the_model_section_says(tiny_checkpoin
         assert one.global_step == 6
     finally:
         process.load_policies_with(before)
-        lineage.forget()
+        open_trainer().forget()
     summary = _torchrun(tiny_checkpoint, scored, tmp_path / "two", [*OVERRIDES, *model_sets])
     assert summary["model"] == {"dtype": "float32", "lora": True, "gradient_checkpointing": True}
     info = json.loads((tmp_path / "two" / "checkpoint_info.json").read_text())

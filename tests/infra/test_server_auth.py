@@ -119,6 +119,11 @@ def test_both_servers_answer_their_api_to_the_password_only(servers):
         assert stat.S_IMODE(log.stat().st_mode) == 0o600, log.name
     text = env_sh.read_text()
     assert "PREFECT_API_AUTH_STRING=" in text and "MLFLOW_TRACKING_PASSWORD=" in text
+    # the servers' stores (Prefect's database, MLflow's password hashes) are this user's only
+    stores = [servers["state"] / "mlflow-auth.db", servers["state"] / "prefect" / "prefect.db"]
+    for store in stores:
+        assert store.exists(), store
+        assert stat.S_IMODE(store.stat().st_mode) & 0o077 == 0, store
 
 
 def test_cors_and_host_headers_name_the_bind_address_only(servers):

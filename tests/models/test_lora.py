@@ -14,7 +14,7 @@ from grpo_core.algorithm.update import build_batch, completion_logprobs
 from grpo_core.config.stages import LoraConfig, ModelConfig
 from grpo_core.training import lora
 from grpo_core.training.checkpoint import load_checkpoint, model_files, policy_id, save_checkpoint
-from tasks.policies import lineage
+from tasks.policies.trainer import open_trainer
 
 pytest.importorskip("peft")
 
@@ -97,13 +97,13 @@ def test_sync_sends_merged_weights_under_base_names(tiny_checkpoint):
 
 
 def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_checkpoint):
-    lineage.forget()
+    open_trainer().forget()
     try:
         process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
-        w = lineage.learner_at(tiny_checkpoint, lora_base=tiny_checkpoint)
+        w = open_trainer().learner_at(tiny_checkpoint, lora_base=tiny_checkpoint)
         assert lora.is_peft(w.model)
         assert w.lora_base_id == policy_id(tiny_checkpoint)
-        ref = lineage.reference(w, tiny_checkpoint)
+        ref = open_trainer().reference(w, tiny_checkpoint)
         assert isinstance(ref, lora.AdapterDisabled)  # no model loaded for the reference
         with torch.no_grad():
             for name, p in w.model.named_parameters():
@@ -113,17 +113,17 @@ def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_chec
         w.trained(ckpt, policy_id(ckpt))
         info = json.loads((ckpt / "checkpoint_info.json").read_text())
         assert info["lora_base_policy_id"] == policy_id(tiny_checkpoint)
-        again = lineage.learner_at(ckpt, lora_base=tiny_checkpoint)
+        again = open_trainer().learner_at(ckpt, lora_base=tiny_checkpoint)
         assert again is w  # warm: the same adapter goes on training
-        lineage.forget()
-        loaded = lineage.learner_at(ckpt, lora_base=tiny_checkpoint)  # from disk
+        open_trainer().forget()
+        loaded = open_trainer().learner_at(ckpt, lora_base=tiny_checkpoint)  # from disk
         mine = dict(w.model.named_parameters())
         for name, p in loaded.model.named_parameters():
             assert torch.equal(p, mine[name]), name
             assert p.requires_grad == ("lora_" in name)
         # the next stage starts from this checkpoint: merged weights, a fresh adapter
         loaded.trained(ckpt, policy_id(ckpt))
-        nxt = lineage.learner_at(ckpt, lora_base=ckpt)
+        nxt = open_trainer().learner_at(ckpt, lora_base=ckpt)
         assert nxt.lora_base_id == policy_id(ckpt)
         merged = load_checkpoint(ckpt)[0].state_dict()
         for k, v in nxt.model.get_base_model().state_dict().items():
@@ -131,13 +131,13 @@ def test_warm_lora_policy_continues_from_disk_as_from_memory(tmp_path, tiny_chec
                 assert torch.equal(v, merged[k]), k
     finally:
         process.load_policies_with(ModelConfig())
-        lineage.forget()
+        open_trainer().forget()
 
 
 def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
     from grpo_core.errors import UserError
 
-    lineage.forget()
+    open_trainer().forget()
     try:
         process.load_policies_with(ModelConfig(lora=CFG.model_dump()))
         model, tok = load_checkpoint(tiny_checkpoint)
@@ -145,10 +145,10 @@ def test_adapter_on_another_base_is_refused(tmp_path, tiny_checkpoint):
             next(model.parameters()).add_(0.1)
         other = save_checkpoint(model, tok, tmp_path / "plain")
         with pytest.raises(UserError, match="no adapter/ folder"):
-            lineage.learner_at(other, lora_base=tiny_checkpoint)
+            open_trainer().learner_at(other, lora_base=tiny_checkpoint)
     finally:
         process.load_policies_with(ModelConfig())
-        lineage.forget()
+        open_trainer().forget()
 
 
 def test_engine_sync_gets_merged_weights(tiny_checkpoint):

@@ -10,7 +10,8 @@ from cluster import process
 from grpo_core.config.stages import ModelConfig
 from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import load_checkpoint, resolve_model_path
-from tasks.policies import lineage, loading
+from tasks.policies import loading
+from tasks.policies.trainer import open_trainer
 
 
 def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
@@ -29,13 +30,13 @@ def test_dtype_attn_and_checkpointing_applied(tiny_checkpoint):
 def test_warm_policy_honours_configured_options(tiny_checkpoint):
     try:
         process.load_policies_with(ModelConfig(dtype="bfloat16", attn_implementation="eager"))
-        w = lineage.handle(tiny_checkpoint)
+        w = open_trainer().handle(tiny_checkpoint)
         assert next(w.model.parameters()).dtype == torch.bfloat16
         assert w.model.config._attn_implementation == "eager"
         assert loading.options_key()["dtype"] == "bfloat16"
     finally:
         process.load_policies_with(ModelConfig())
-        lineage.forget()
+        open_trainer().forget()
     assert loading.options_key() is None  # defaults leave the cache keys as they were
 
 
@@ -98,7 +99,7 @@ def test_device_placement(tiny_checkpoint):
         process.load_policies_with(ModelConfig(device="cuda"))
         try:
             with pytest.raises(UserError, match="model.device"):
-                lineage.handle(tiny_checkpoint)
+                open_trainer().handle(tiny_checkpoint)
         finally:
             process.load_policies_with(ModelConfig())
 

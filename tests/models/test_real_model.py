@@ -15,7 +15,7 @@ from cluster import process
 from flows.config import CHECKPOINT_STAGES, load_config
 from grpo_core.training.checkpoint import policy_id
 from grpo_core.training.lora import saved_base
-from tasks.policies import lineage
+from tasks.policies.trainer import open_trainer
 from tasks.workspace import Workspace
 
 
@@ -77,7 +77,7 @@ def test_r1_recipe_on_smollm2(
         summary = r1_pipeline(cfg)
     finally:
         process.load_policies_with(type(cfg.model)())
-        lineage.forget()
+        open_trainer().forget()
     assert [r["stage"] for r in summary["stages"]] == list(CHECKPOINT_STAGES)
     ws = Workspace.create(cfg.output_dir, cfg.run_name)
     final = ws.checkpoint("rl_2")

@@ -10,7 +10,8 @@ import torch
 
 from grpo_core.algorithm.update import build_batch, completion_logprobs
 from grpo_core.logprobs.model import chunked_head_reason
-from grpo_core.training.sft import collate, encode_examples, sft_loss_backward
+from grpo_core.training.sft import collate, sft_loss_backward
+from grpo_core.training.sft_examples import encode_examples
 
 PROMPTS = [[3, 12, 13, 4], [3, 14, 4], [3, 12, 14, 15, 16, 4]]
 COMPLETIONS = [[5, 12, 6, 7, 2], [5, 13, 2], [5, 6, 7, 8, 12, 13, 2]]

@@ -323,7 +323,7 @@ def test_engine_and_environment_names_are_checked_by_their_registries():
         assert isinstance(spec, EngineSpec) and spec.name == "mine"
     finally:
         ENGINES.remove("mine")
-    assert ENVIRONMENTS.names() == ["functions", "python"]
+    assert ENVIRONMENTS.names() == ["factory", "functions", "python"]
     cfg = load_config(None, ["rollout.tools=[python]", "rollout.max_turns=3"])
     spec = cfg.rollout.engine_spec()
     # one typed value, the environment's knobs under one set of names; as plain data for the

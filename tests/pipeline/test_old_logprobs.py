@@ -86,11 +86,11 @@ def count_recomputes(monkeypatch):
 
 
 def _rollout_and_score(checkpoint, tmp_path) -> str:
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.rollout import sample_rollouts
     from tasks.score import score_file
 
-    lineage.forget()
+    open_trainer().forget()
     rows = [{"prompt": f"{a}+{a + 1}="} for a in range(4)]
     rollouts = tmp_path / "rollouts.parquet"
     sample_rollouts(
@@ -111,7 +111,7 @@ def _rollout_and_score(checkpoint, tmp_path) -> str:
 def _update(checkpoint, scored, out, **knobs):
     from grpo_core.config.stages import RLConfig
     from grpo_core.training.checkpoint import load_checkpoint
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.update import UpdateRequest, update_from_file
 
     rl = RLConfig(
@@ -122,7 +122,7 @@ def _update(checkpoint, scored, out, **knobs):
         max_completion_length=12,
         **knobs,
     )
-    lineage.forget()  # each path starts from the checkpoint on disk
+    open_trainer().forget()  # each path starts from the checkpoint on disk
     up = update_from_file(UpdateRequest(str(checkpoint), scored, str(out), rl, total_steps=2))
     assert len(up.history) == 2
     return load_checkpoint(out)[0].state_dict()

@@ -15,8 +15,8 @@ from grpo_core.errors import UserError
 from grpo_core.training.checkpoint import policy_id
 from grpo_core.training.weights_id import savable_state_dict, state_dict_id
 from tasks.cache import content_hash
-from tasks.policies import lineage
 from tasks.policies.ref import read_ref
+from tasks.policies.trainer import NotInMemory, open_trainer
 from tasks.rollout import rollout
 from tasks.score import score
 from tasks.update import UpdateRequest, update
@@ -38,7 +38,7 @@ def _iterations(tiny_checkpoint, ws: Workspace, data: str, keep: list[bool]) -> 
         up = update.fn(request, it, ref_path=str(ws.policy_ref("rl_1", it)), keep=kept)
         policy, step = up.checkpoint, up.global_step
         refs.append(policy)
-    lineage.drain()
+    open_trainer().drain()
     return refs
 
 
@@ -52,23 +52,23 @@ def test_policies_between_save_points_are_replayed_from_the_kept_state(tiny_chec
     assert [r.kept() is not None for r in records] == [True, False, False]
     assert not ws.iteration_checkpoint("rl_1", 1).exists()  # nothing written between saves
     # the warm policy is the last update's, hashed in memory as the files would hash
-    warm = lineage.handle(refs[-1])
+    warm = open_trainer().handle(refs[-1])
     assert warm.policy_id == records[-1].policy_id == content_hash(refs[-1])
     assert state_dict_id(savable_state_dict(warm.model)) == records[-1].policy_id
     assert records[0].policy_id == policy_id(ws.iteration_checkpoint("rl_1", 0))
 
-    lineage.forget()  # a new process: iteration 2's policy is replayed from iteration 0's
-    with pytest.raises(lineage.NotInMemory):  # a handle never trains: it says it has none
-        lineage.handle(refs[-1])
-    replays = lineage.held().stats["replays"]
-    again = lineage.learner_at(refs[-1])  # the learner resolves the lineage: replays
-    assert lineage.held().stats["replays"] - replays == 2  # updates 1 and 2
+    open_trainer().forget()  # a new process: iteration 2's policy is replayed from iteration 0's
+    with pytest.raises(NotInMemory):  # a handle never trains: it says it has none
+        open_trainer().handle(refs[-1])
+    replays = open_trainer().stats["replays"]
+    again = open_trainer().learner_at(refs[-1])  # the learner resolves the lineage: replays
+    assert open_trainer().stats["replays"] - replays == 2  # updates 1 and 2
     assert again.policy_id == records[-1].policy_id
     assert again.train is not None and again.train.global_step == records[-1].global_step
 
     body = json.loads(ws.policy_ref("rl_1", 2).read_text())
     body["policy_id"] = "0" * 16  # a record the update does not reproduce
     ws.policy_ref("rl_1", 2).write_text(json.dumps(body))
-    lineage.forget()
+    open_trainer().forget()
     with pytest.raises(UserError, match=r"iter_0002.*gave policy .* but the run recorded 0{16}"):
-        lineage.learner_at(refs[-1])
+        open_trainer().learner_at(refs[-1])

@@ -19,8 +19,8 @@ from tests_support import TINY_OVERRIDES as TINY
 
 from flows.config import load_config
 from grpo_core.training.checkpoint import TRAINER_STATE, policy_id
-from tasks.policies import lineage
 from tasks.policies.ref import read_ref
+from tasks.policies.trainer import open_trainer
 from tasks.workspace import Workspace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,15 +68,15 @@ def test_reward_change_from_iteration_k_reuses_k_iterations_and_equals_a_fresh_r
 
     records = [ws.policy_ref("rl_1", i).with_name("policy.json.stage.json") for i in range(5)]
     written = [p.stat().st_mtime_ns for p in records]
-    lineage.forget()  # as a new process: nothing warm
-    replays = lineage.held().stats["replays"]
+    open_trainer().forget()  # as a new process: nothing warm
+    replays = open_trainer().stats["replays"]
     _run(tmp_path, "a", tracking_uri, CHANGE)
     # iterations 0-2 reused, 3 and 4 trained again; iteration 3's policy rebuilt by replaying
     # updates 0, 1 and 2 (its nearest kept state, iteration 1's, was pruned: so from the
     # stage's initial checkpoint)
     rewritten = [p.stat().st_mtime_ns != t for p, t in zip(records, written, strict=True)]
     assert rewritten == [False, False, False, True, True]
-    assert lineage.held().stats["replays"] - replays == 3
+    assert open_trainer().stats["replays"] - replays == 3
 
     _run(tmp_path, "fresh", tracking_uri, CHANGE)
     assert _final_ids(ws) == _final_ids(Workspace(tmp_path / "runs" / "fresh"))

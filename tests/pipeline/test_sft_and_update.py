@@ -7,7 +7,8 @@ import torch
 from grpo_core.algorithm.update import batched_logprobs, build_batch, grpo_update
 from grpo_core.config.loss import LossConfig, UpdateConfig
 from grpo_core.demo.task import make_splits
-from grpo_core.training.sft import collate, encode_examples, train_sft
+from grpo_core.training.sft import collate, train_sft
+from grpo_core.training.sft_examples import encode_examples
 
 
 def test_collate_masks_prompt_and_padding(tiny_model):
@@ -294,7 +295,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
     starts its own AdamW instead of continuing the first stage's."""
     from grpo_core.config.stages import RLConfig
     from grpo_core.training.checkpoint import file_sha256, load_trainer_state
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.update import UpdateRequest, update_from_file
 
     rl = RLConfig(
@@ -325,13 +326,13 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(h["peak_memory_gib"] == up.peak_memory_gib for h in up.history)
         return up.checkpoint, up.global_step
 
-    lineage.forget()
+    open_trainer().forget()
     policy, step = init, 0
     for it in range(3):
         policy, step = run(it, policy, str(tmp_path / f"warm{it}"), step)
     assert step == 6 and _adam_step(policy) == 6
 
-    lineage.forget()  # a new process after a crash: the state comes from iteration 1's files
+    open_trainer().forget()  # a new process after a crash: the state comes from iteration 1's files
     resumed, _ = run(2, str(tmp_path / "warm1"), str(tmp_path / "resumed2"), 4)
     w_a, w_b = (file_sha256(f"{p}/model.safetensors") for p in (policy, resumed))
     assert w_a == w_b
@@ -341,7 +342,7 @@ def test_rl_stage_resumed_from_disk_continues_its_own_optimizer(tiny_checkpoint,
         assert all(torch.equal(s[n], b["optimizer"]["state"][k][n]) for n in s)
 
     # another stage starting from the warm weights: a fresh optimizer, whatever is in memory
-    lineage.forget()
+    open_trainer().forget()
     run(0, init, str(tmp_path / "a0"), 0)
     a0 = str(tmp_path / "a0")
     other, step = run(1, a0, str(tmp_path / "b0"), 0, stage="rl_2", first=a0)

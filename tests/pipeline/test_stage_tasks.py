@@ -22,7 +22,7 @@ from grpo_core.rewards.format import is_r1_format
 from grpo_core.training.checkpoint import load_checkpoint, policy_id, save_checkpoint
 from grpo_core.training.sft import train_sft
 from tasks.evaluate import evaluate_stage
-from tasks.policies import lineage
+from tasks.policies.trainer import open_trainer
 from tasks.rejection import rejection_sampling
 from tasks.results import EvalOutcome, RejectionOutcome, SFTOutcome
 from tasks.rollout import rollout
@@ -71,8 +71,8 @@ def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path)
     rl = RLConfig(
         prompts_per_iteration=4, num_generations=4, steps_per_generation=2, max_completion_length=12
     )
-    lineage.forget()
-    loads = lineage.held().stats["loads"]
+    open_trainer().forget()
+    loads = open_trainer().stats["loads"]
     roll = rollout.fn(
         "rl_1", 0, str(tiny_checkpoint), data["rl"], str(tmp_path / "r.parquet"), rl, 0
     )
@@ -90,11 +90,11 @@ def test_rl_iteration_tasks_chain_through_files(tiny_checkpoint, data, tmp_path)
     assert pq.read_table(roll.path).num_rows == 16
     assert len(up.history) == 2 and up.global_step == 2
     assert (
-        lineage.held().stats["loads"] == loads + 1
+        open_trainer().stats["loads"] == loads + 1
     )  # loaded once, then warm from rollout to update
     # the next rollout asks for the new checkpoint: still no load from disk
     rollout.fn("rl_1", 1, up.checkpoint, data["rl"], str(tmp_path / "r1.parquet"), rl, 0)
-    assert lineage.held().stats["loads"] == loads + 1
+    assert open_trainer().stats["loads"] == loads + 1
     state = json.loads((tmp_path / "ckpt" / "checkpoint_info.json").read_text())
     assert state["global_step"] == 2
 
@@ -107,10 +107,10 @@ def test_update_from_a_scored_file_of_another_run_loads_from_disk(tiny_checkpoin
         "rl_1", 0, str(tiny_checkpoint), data["rl"], str(tmp_path / "r.parquet"), rl, 0
     )
     sc = score.fn("rl_1", 0, roll.path, str(tmp_path / "s.parquet"), {"format": 1.0}, rl)
-    lineage.forget()
-    loads = lineage.held().stats["loads"]
+    open_trainer().forget()
+    loads = open_trainer().stats["loads"]
     up = update.fn(UpdateRequest(str(tiny_checkpoint), sc.path, str(tmp_path / "ckpt"), rl), 0)
-    assert lineage.held().stats["loads"] == loads + 1
+    assert open_trainer().stats["loads"] == loads + 1
     assert (tmp_path / "ckpt" / "trainer_state.pt").exists()
     assert up.history[0]["learning_rate"] == pytest.approx(rl.learning_rate)
 

@@ -78,8 +78,10 @@ def test_the_config_knobs_are_the_specs_fields():
     fields = {f.name: f.default for f in dataclasses.fields(ToolSpec)}
     knobs = RolloutConfig.model_fields
     for name, default in fields.items():
-        if name in ("tools", "functions", "tool_isolation"):
-            continue  # the environment itself, and a setting of the sandbox section
+        if name in ("tools", "functions", "environment_factory", "tool_isolation"):
+            # the environment itself (the factories are normalised to pairs), and a
+            # setting of the sandbox section
+            continue
         assert name in knobs and knobs[name].default == default, name
     assert RolloutConfig(tools=["python"]).tool_spec() == ToolSpec()
     spec = RolloutConfig(tools=["python"], **KNOBS).tool_spec()

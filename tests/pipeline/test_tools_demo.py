@@ -124,15 +124,8 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
 
     from flows import preflight
     from flows.r1 import r1_pipeline
-    from grpo_core.demo.model import build_model
-    from grpo_core.training.checkpoint import save_checkpoint
-    from tests.tools.test_json_tools import chat_tokenizer
+    from tests.tools.test_json_tools import run_on_files
 
-    tok = chat_tokenizer()
-    model_dir = save_checkpoint(
-        build_model(tok, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                    intermediate_size=64, max_position_embeddings=1024),
-        tok, tmp_path / "model")  # fmt: skip
     rows = [
         {
             "prompt": [{"role": "user", "content": f"What is {a}+{b}?"}],
@@ -150,14 +143,9 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
         for a in range(10, 30)
         for b in range(3, 6)
     ]
-    files = {}
-    for split, part in (("sft", rows[:24]), ("rl", rows[24:48]), ("eval", rows[48:56])):
-        files[split] = tmp_path / f"{split}.jsonl"
-        files[split].write_text("".join(json.dumps(r) + "\n" for r in part))
+    data = run_on_files(tmp_path, {"sft": rows[:24], "rl": rows[24:48], "eval": rows[48:56]})
     overrides = [
-        "model.source=path", f"model.path={model_dir}", "data.source=files",
-        f"data.sft_path={files['sft']}", f"data.rl_path={files['rl']}",
-        f"data.eval_path={files['eval']}", "rollout.functions=[calculator]",
+        *data, "rollout.functions=[calculator]",
         "sft.max_steps=4", "sft.batch_size=8", "sft.target_accuracy=null", "rl.iterations=1",
         "rl.prompts_per_iteration=4", "rl.num_generations=2", "rl.steps_per_generation=1",
         "rl.max_completion_length=24", "rl.eval_every=1", "rejection_sampling.num_prompts=4",

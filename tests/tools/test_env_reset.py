@@ -176,10 +176,10 @@ def test_each_episode_samples_its_own_prompt_once_with_the_same_seed():
 def test_the_rollout_stage_records_what_the_model_saw(tiny_checkpoint, tmp_path):
     """The pipeline's rollout task (tasks/rollout.py) with the hf engine."""
     from grpo_core.training.checkpoint import load_tokenizer
-    from tasks.policies import lineage
+    from tasks.policies.trainer import open_trainer
     from tasks.rollout import sample_rollouts
 
-    lineage.forget()
+    open_trainer().forget()
     out = tmp_path / "rollouts.parquet"
     sample_rollouts(str(tiny_checkpoint), ROWS, str(out), num_generations=2, temperature=1.0,
                     max_completion_length=8, iteration=0, seed=3,

@@ -111,3 +111,16 @@ def test_without_an_environment_reward_the_rows_say_why(tmp_path):
     assert samples[0].env is None  # the python tool keeps no reward
     with pytest.raises(UserError, match="no env_reward column: the environment's episodes"):
         _score(tmp_path, samples, {"environment": 1.0, "accuracy": 1.0})
+
+
+def test_held_out_evals_score_by_the_environments_reward():
+    """``eval.accuracy_reward: environment``: the eval pays what the episode's ``reward()``
+    gave, as the rollouts do (it scored every held-out episode 0 before)."""
+    from grpo_core.algorithm.evaluation import evaluate
+
+    script = [["<tool_call>16422</tool_call>"], ["<answer>1</answer><|eos|>"]]
+    spec = ToolSpec(tools=("tests.tools.test_env_reward:make_scored_guess",), max_turns=4)
+    rows = [{"prompt": "357*46", "answer": "16422"}]
+    res = evaluate(None, TOK, rows, max_new_tokens=60, engine=Scripted(script), tools=spec,
+                   accuracy_reward="environment", desc="t")  # fmt: skip
+    assert res.accuracy == 1.0

@@ -53,6 +53,29 @@ def chat_tokenizer():
 
 
 TOK = chat_tokenizer()
+
+
+def run_on_files(tmp_path, splits: dict[str, list[dict]], *, hidden_size=32,
+                 intermediate_size=64) -> list[str]:  # fmt: skip
+    """A tiny random chat model with :func:`chat_tokenizer`'s template and ``splits`` (sft,
+    rl, eval rows) written as JSONL under ``tmp_path``: the ``grpo run`` overrides that read
+    them (the whole-run tests of JSON tools)."""
+    from grpo_core.demo.model import build_model
+    from grpo_core.training.checkpoint import save_checkpoint
+
+    tok = chat_tokenizer()
+    model_dir = save_checkpoint(
+        build_model(tok, hidden_size=hidden_size, num_hidden_layers=2, num_attention_heads=2,
+                    intermediate_size=intermediate_size, max_position_embeddings=1024),
+        tok, tmp_path / "model")  # fmt: skip
+    overrides = ["model.source=path", f"model.path={model_dir}", "data.source=files"]
+    for split, rows in splits.items():
+        path = tmp_path / f"{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        overrides.append(f"data.{split}_path={path}")
+    return overrides
+
+
 SPEC = ToolSpec(tools=("functions",), functions=("calculator",), max_tool_output_tokens=40)
 SCHEMAS = function_schemas(["calculator"])
 ROW = {"prompt": [{"role": "user", "content": "What is (12+5)*3?"}], "answer": "51",
@@ -166,14 +189,14 @@ def test_tool_output_is_data_and_is_cut_with_the_mark():
 
     import grpo_core.engines.functions as functions
 
-    functions.FUNCTIONS["shout"] = shout
+    functions.FUNCTION_TOOLS.add("shout", shout, replace=True)
     try:
         spec = ToolSpec(tools=("functions",), functions=("shout",), max_tool_output_tokens=30)
         model = ChatModel([[call("shout", text="ab")], ["done"]])
         (ep,) = run_turns(model, [row_prompt_ids(TOK, ROW)], SamplingParams(max_new_tokens=600),
                           desc="t", progress=False, tools=spec, rows=[ROW])  # fmt: skip
     finally:
-        del functions.FUNCTIONS["shout"]
+        functions.FUNCTION_TOOLS.remove("shout")
     tool = ep.turns[1]
     obs = ep.completion_ids[tool["start"] : tool["end"]]
     text = TOK.decode(obs)
@@ -194,3 +217,66 @@ def test_calls_are_parsed_as_hermes_writes_them():
     assert calculator("(12+5)*3") == "51" and calculator("7/2") == "3.5"
     with pytest.raises(ValueError, match="too large"):
         calculator("10**10**9")
+
+
+def test_calls_and_failed_calls_are_counted_per_call_not_per_turn():
+    """Two JSON calls in one turn, one failing: 2 calls and an error rate of 0.5 (TRL's
+    ``tools/call_frequency`` and ``tools/failure_frequency``), in the rollout file's columns,
+    each turn's record and the rollout's metrics."""
+    from grpo_core.contracts.rollouts import rollout_table
+    from tasks.rollout import tool_metrics
+
+    turn = call("calculator", expression="12+5") + call("calculator", expression="x*y")
+    model = ChatModel([[turn], ["<answer>17</answer>"]])
+    prompt = row_prompt_ids(TOK, ROW)
+    (ep,) = run_turns(model, [prompt], SamplingParams(max_new_tokens=400), desc="t",
+                      progress=False, tools=SPEC, rows=[ROW])  # fmt: skip
+    tool = ep.turns[1]
+    assert (tool["calls"], tool["failed"]) == (2, 1)
+    (rec,) = rollout_table([ROW], [prompt], [ep], TOK, policy_id="p", iteration=0).to_pylist()
+    assert (rec["tool_calls"], rec["tool_errors"]) == (2, 1)
+    metrics = tool_metrics([ep], seconds=1.0)
+    assert metrics["tools/calls_per_completion"] == 2.0
+    assert metrics["tools/error_rate"] == 0.5
+
+
+# A GPT-OSS-style template: a tool message is headed by the name of the call it answers,
+# read from the assistant message's tool_calls; the assistant turn renders its calls itself.
+NAMED_TEMPLATE = (
+    "{% set ns = namespace(names=[]) %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' + message.content }}"
+    "{% if message.tool_calls %}{% set ns.names = [] %}"
+    "{% for c in message.tool_calls %}{% set ns.names = ns.names + [c.function.name] %}"
+    "{{ '<tool_call>' + c.function.name + '</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message.role == 'tool' %}"
+    "{{ '<|im_start|>functions.' + (ns.names[0] if ns.names else '') + '\\n' + message.content"
+    " + '<|im_end|>\\n' }}{% set ns.names = ns.names[1:] %}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_the_tool_suffix_probe_names_the_calls_it_answers():
+    """As TRL's probe does, the assistant message before the tool messages carries their
+    calls (``tool_calls`` by name), so a template that heads each tool message with its call
+    renders ``functions.<name>``; what the template renders for the calls inside the
+    assistant turn is the model's own turn, not the suffix. Templates that ignore
+    ``tool_calls`` (the test suite's Hermes one) give the same ids as before."""
+    from grpo_core.contracts.observations import encode_tool_messages
+
+    tok = chat_tokenizer()
+    tok.chat_template = NAMED_TEMPLATE
+    messages = [{"role": "tool", "name": "calculator", "content": "17"},
+                {"role": "tool", "name": "clock", "content": "noon"}]  # fmt: skip
+    got = tok.decode(encode_tool_messages(tok, messages, 40, []))
+    assert got == ("\n<|im_start|>functions.calculator\n17<|im_end|>\n"
+                   "<|im_start|>functions.clock\nnoon<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    hermes = encode_tool_messages(TOK, messages, 40, [])
+    assert TOK.decode(hermes) == (
+        "\n<|im_start|>user\n<tool_response>\n17\n</tool_response>\n<tool_response>\nnoon\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )

@@ -159,3 +159,50 @@ def test_markers_that_are_special_tokens_stop_the_turn_and_call_the_tool():
     assert tok.decode(got.completion_ids[t["start"] : t["end"]]) == (
         "<tool_response>36</tool_response>"
     )
+
+
+@pytest.mark.parametrize("how", ["python", "function"])
+def test_a_surrogate_in_a_tools_error_reaches_the_parquet_as_text(how, tmp_path):
+    """A tool's error holding a lone surrogate (the python tool's ``raise ValueError("\\ud800")``,
+    a JSON argument ``"\\udc80"`` echoed in a function's error) is recorded escaped: the
+    rollout Parquet is written and read back, so a seeded rerun cannot crash on it again."""
+    import json
+
+    from grpo_core.contracts.io import write_parquet
+    from grpo_core.contracts.rollouts import read_rollouts, rollout_table
+    from tests.tools import test_json_tools as jt
+
+    if how == "python":
+        script = [[('<tool_call>raise ValueError("\\ud800")</tool_call>', "stop")],
+                  [("<answer>1</answer><|eos|>", "stop")]]  # fmt: skip
+        got, _ = _episode(TOK, script, ToolSpec(max_tool_output_tokens=200))
+        tok, row, prompt = TOK, {"prompt": "12*3", "answer": "36"}, PROMPT[0]
+    else:
+        import grpo_core.engines.functions as functions
+
+        def boom(x: str) -> str:
+            """Fail with the argument.
+
+            Args:
+                x: what to fail with
+            """
+            raise ValueError(x)
+
+        functions.FUNCTION_TOOLS.add("boom", boom, replace=True)
+        try:
+            row = {**jt.ROW, "tools": json.dumps(functions.function_schemas(["boom"]))}
+            turn = '<tool_call>{"name": "boom", "arguments": {"x": "\\udc80"}}</tool_call>'
+            model = jt.ChatModel([[turn], ["<answer>51</answer>"]])
+            spec = ToolSpec(tools=("functions",), functions=("boom",), max_tool_output_tokens=80)
+            tok, prompt = jt.TOK, jt.row_prompt_ids(jt.TOK, row)
+            (got,) = run_turns(model, [prompt], SamplingParams(max_new_tokens=400), desc="t",
+                               progress=False, tools=spec, rows=[row])  # fmt: skip
+        finally:
+            functions.FUNCTION_TOOLS.remove("boom")
+    tool = got.turns[1]
+    assert tool["error"] is not None and "\\ud" in tool["error"]
+    tool["error"].encode("utf-8")  # valid text
+    table = rollout_table([row], [prompt], [got], tok, policy_id="p", iteration=0)
+    path = write_parquet(table, tmp_path / "rollouts.parquet")
+    (back,) = read_rollouts(path).to_pylist()
+    assert back["turns"][1]["error"] == tool["error"]

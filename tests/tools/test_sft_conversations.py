@@ -15,7 +15,8 @@ from grpo_core.contracts.text import row_prompt_ids
 from grpo_core.engines.generation import SamplingParams
 from grpo_core.engines.turns import run_turns
 from grpo_core.errors import UserError
-from grpo_core.training.sft import collate, encode_examples
+from grpo_core.training.sft import collate
+from grpo_core.training.sft_examples import encode_examples
 from tests.tools.test_json_tools import ROW, SCHEMAS, SPEC, TOK, ChatModel, call
 
 TURN1 = (

@@ -182,3 +182,42 @@ def test_no_zombie_is_left_under_a_pid_1_that_does_not_reap(isolation):
     env = {**os.environ, "ISO": isolation, "PYTHONPATH": root}
     proc = run_as_pid_1([sys.executable, "-c", ZOMBIES], env, timeout=120)
     assert proc.stdout.split() == ["1", "0"], proc.stderr[-2000:]
+
+
+BUFFERS = """
+import errno, fcntl, os, socket
+out = []
+a, b = socket.socketpair()
+for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF, 32, 33):  # and the FORCE variants
+    try:
+        a.setsockopt(socket.SOL_SOCKET, opt, 64 << 20)
+        out.append("raised")
+    except OSError as e:
+        out.append(errno.errorcode[e.errno])
+r, w = os.pipe()
+try:
+    fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ
+    out.append("raised")
+except OSError as e:
+    out.append(errno.errorcode[e.errno])
+a.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # other options still work
+out.append(str(fcntl.fcntl(w, fcntl.F_GETFL) >= 0))
+print(" ".join(out))
+"""
+
+
+@pytest.mark.parametrize("isolation", ["bwrap", "namespaces"])
+def test_socket_and_pipe_buffers_cannot_be_raised(isolation):
+    """Socket and pipe buffers are kernel memory outside the call's address-space cap (30
+    socket pairs raised to the host's wmem_max held 470 MiB past a 512 MiB cap): raising them
+    is refused (EPERM), as a tool call and as a code reward; other options still work."""
+    from grpo_core.rewards.code import code_runs
+
+    isolation_or_skip(isolation)
+    obs = PythonTool(ToolSpec(tool_isolation=isolation)).run(BUFFERS)
+    assert obs.error is None, obs.text
+    body = obs.text.removeprefix("<tool_response>").removesuffix("</tool_response>")
+    assert body.split() == ["EPERM"] * 5 + ["True"], body
+    held = BUFFERS + "assert 'raised' not in out\n"
+    (score,) = code_runs([""], [f"```python\n{held}```"], sandbox_isolation=isolation)
+    assert score == 1.0

@@ -162,6 +162,7 @@ SAME = [
     "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
     "print('\\udc80', 1)\nimport sys\nsys.stderr.write('\\udfff')",
     "print('7' * 100_000)",
+    "import random\nprint(random.random(), random.randint(0, 10**9), random.sample(range(99), 3))",
     "def f(:\n    pass",
     "x = bytearray(1 << 40)",
     "import os\nos.closerange(3, 256)",
@@ -281,3 +282,14 @@ def test_no_kernel_object_outlives_a_call_and_no_capability(isolation):
     filter refuses them (SysV IPC already was). A call process holds no capability."""
     tool = warm_tool(isolation)
     assert body(tool.run(KERNEL_STATE)) == "refused ['0000000000000000', '0000000000000000']"
+
+
+@pytest.mark.parametrize("isolation", MODES)
+def test_a_calls_random_numbers_are_a_function_of_the_call(isolation):
+    """``random`` is seeded per call from the program (as the hash seed is fixed): the same
+    call prints the same numbers on a rerun, another call other numbers."""
+    tool = PythonTool(ToolSpec(tool_isolation=isolation, tool_sandbox="fresh"))
+    code = "import random\nprint(random.random(), random.getrandbits(64))"
+    a, b = tool.run(code), tool.run(code)
+    assert a.error is None and a.text == b.text
+    assert tool.run(code + "\nx = 1").text != a.text

@@ -6,7 +6,8 @@ from __future__ import annotations
 from grpo_core.demo import multiply, word_problems
 from grpo_core.demo.model import build_tokenizer
 from grpo_core.engines.environments import ToolSpec, called_code
-from grpo_core.training.sft import collate, encode_examples, split_spans
+from grpo_core.training.sft import collate
+from grpo_core.training.sft_examples import encode_examples, split_spans
 
 SPANS = (("<tool_response>", "</tool_response>"),)
 
