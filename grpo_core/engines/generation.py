@@ -16,7 +16,6 @@ kept, as in vLLM's ``token_ids``), or at ``max_new_tokens``.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +27,14 @@ from transformers import DynamicCache, PreTrainedModel
 
 from grpo_core.config.settings import SamplingParams  # noqa: F401  (imported from here too)
 from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
+from grpo_core.engines.decode_step import (
+    count_prefill,
+    keeps_last_logits,
+    left_pad,
+    next_tokens,
+    repetition_penalty,
+    seen_tokens,
+)
 from grpo_core.engines.token_logprobs import Completions, processes_distribution
 
 
@@ -57,70 +64,6 @@ class Sample:
     # prompt in the data's form: grpo_core/engines/openings.py); None: the prompt as given
     prompt_ids: list[int] | None = None
     prompt: Any = None
-
-
-def _repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """CTRL-style penalty on seen tokens: positive logits / penalty, negative * penalty.
-    logits: [B, V] float, seen: [B, V] bool"""
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # [B, V]
-    return torch.where(seen, penalised, logits)
-
-
-def _filter_logits(
-    logits: torch.Tensor, top_k: int, top_p: float, min_p: float = 0.0
-) -> torch.Tensor:
-    """Mask logits outside min-p / top-k / nucleus top-p with -inf.  logits: [B, V]"""
-    if min_p > 0.0:
-        probs = logits.softmax(-1)  # [B, V]
-        keep = probs >= min_p * probs.amax(-1, keepdim=True)  # [B, V]
-        logits = logits.masked_fill(~keep, float("-inf"))
-    if top_k and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)  # [B, V]
-        cum = sorted_logits.softmax(-1).cumsum(-1)  # [B, V]
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the token that crosses top_p
-        drop = drop.scatter(-1, idx, drop)  # back to vocab order
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
-def _forward_takes(model, name: str) -> bool:
-    """Whether the model's forward takes the keyword ``name`` (a peft wrapper passes it on
-    to the model it wraps)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return name in inspect.signature(inner.forward).parameters
-
-
-def _keeps_last_logits(model) -> bool:
-    """Whether the model's forward takes transformers' ``logits_to_keep``."""
-    return _forward_takes(model, "logits_to_keep")
-
-
-def _left_pad(
-    prompts: list[list[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prompts left-padded to the longest: input ids and attention mask, [B, L] each."""
-    L = max(len(p) for p in prompts)
-    ids = [[pad_id] * (L - len(p)) + list(p) for p in prompts]
-    attn = [[0] * (L - len(p)) + [1] * len(p) for p in prompts]
-    return (
-        torch.tensor(ids, dtype=torch.long, device=device),
-        torch.tensor(attn, dtype=torch.long, device=device),
-    )
-
-
-def _next_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: the argmax (temperature 0) or a sample of the temperature-scaled,
-    filtered distribution. Returns (logprobs [b, V] of that distribution, tokens [b])."""
-    if params.temperature == 0:
-        return logits.log_softmax(-1), logits.argmax(-1)
-    scaled = _filter_logits(logits / params.temperature, params.top_k, params.top_p, params.min_p)
-    logprobs = scaled.log_softmax(-1)  # [b, V]
-    return logprobs, torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
 
 
 def _stop_string_hits(stop_hits, gen: list[list[int]], rows, active, tok, device) -> torch.Tensor:
@@ -153,51 +96,30 @@ def _generate_batch(
     ``budgets``: each row's own most new tokens (a row that reaches it finishes, length)."""
     device = model.device
     B = len(prompts)
-    input_ids, attn = _left_pad(prompts, pad_id, device)
-    prompt_attn = attn  # the whole contexts' tokens (repetition penalty)
-    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
-    cache = DynamicCache()
-    step_ids, step_pos = input_ids, position_ids
-    if turn is not None and (begun := turn.start(input_ids, attn, pad_id)) is not None:
-        cache, step_ids, attn, step_pos = begun
-    count_prefill(stats, attn[:, -step_ids.shape[1] :])
+    input_ids, prompt_attn = left_pad(prompts, pad_id, device)
+    live = _Live(input_ids, prompt_attn, turn, pad_id)
+    count_prefill(stats, live.attn[:, -live.ids.shape[1] :])
     eos = torch.tensor(sorted(eos_ids), device=device)
-    processed = processes_distribution(params)
-    out = Completions(B, params.max_new_tokens, pad_id, device, policy=processed)
+    out = Completions(
+        B, params.max_new_tokens, pad_id, device, policy=processes_distribution(params)
+    )
     gen: list[list[int]] = [[] for _ in range(B)]  # completions so far (stop strings)
-    # the rows still in the batch (finished ones are dropped, KV cache included): their
-    # index in the micro-batch, whether each has finished, and the tokens each has seen
-    rows = torch.arange(B, device=device)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    seen = None  # [b, V] bool: tokens in prompt or completion (repetition penalty)
     budget = None if budgets is None else torch.tensor(budgets, device=device)  # [B]
-
-    last_only = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+    last_only = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     for t in range(params.max_new_tokens):
-        logits = (
-            model(
-                input_ids=step_ids,
-                attention_mask=attn,
-                position_ids=step_pos,
-                past_key_values=cache,
-                use_cache=True,
-                **last_only,  # the prompt's forward: the head on its last position only
-            )
-            .logits[:, -1, :]
-            .float()
-        )  # [b, V]
-        raw = logits
+        # the prompt's forward: the head on its last position only
+        logits = raw = live.forward(model, last_only)  # [b, V]
         if params.repetition_penalty != 1.0:
-            if seen is None:  # the first step: attn is the prompts' mask
-                counts = torch.zeros(logits.shape, dtype=torch.long, device=device)  # [B, V]
-                seen = counts.scatter_add_(1, input_ids, prompt_attn) > 0  # no padding
-            logits = _repetition_penalty(logits, seen, params.repetition_penalty)
-        logprobs, tok = _next_tokens(logits, params, generator)
+            if live.seen is None:  # the first step: the prompts' tokens, no padding
+                live.seen = seen_tokens(logits.shape[-1], input_ids, prompt_attn)
+            logits = repetition_penalty(logits, live.seen, params.repetition_penalty)
+        logprobs, tok = next_tokens(logits, params, generator)
+        done, rows = live.done, live.rows
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         out.record(t, rows, done, tok, logprobs, raw, params.temperature)
         hit_eos = torch.isin(tok, eos) & ~done
-        if seen is not None:
-            seen.scatter_(1, tok[:, None], (~done)[:, None])
+        if live.seen is not None:
+            live.seen.scatter_(1, tok[:, None], (~done)[:, None])
         if stop_hits is not None:
             hit_eos |= _stop_string_hits(stop_hits, gen, rows, ~done & ~hit_eos, tok, device)
         out.stop(t, rows[hit_eos])
@@ -208,28 +130,49 @@ def _generate_batch(
             done |= spent
         if bool(done.all()):
             break
-        step_ids = tok[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        if int(done.sum()) * 8 >= len(rows):  # an eighth finished: drop them from the batch
-            keep = (~done).nonzero().squeeze(-1)
-            if turn is not None:  # their KV first, for their next turn
-                turn.keep(cache, done.nonzero().squeeze(-1), rows, attn)
-            cache.batch_select_indices(keep)
-            rows, done, attn = rows[keep], done[keep], attn[keep]
-            step_ids, step_pos = step_ids[keep], step_pos[keep]
-            seen = None if seen is None else seen[keep]
-        attn = torch.cat([attn, (~done).long()[:, None]], dim=1)  # [b, L+t+1]
+        live.advance(tok)
     if turn is not None:
-        turn.keep(cache, done.nonzero().squeeze(-1), rows, attn)
+        turn.keep(live.cache, live.done.nonzero().squeeze(-1), live.rows, live.attn)
     return out.lists()
 
 
-def count_prefill(stats: dict | None, fed: torch.Tensor) -> None:
-    """Add a prefill forward's tokens to ``stats``: ``prefill_tokens`` (real ones) and
-    ``prefill_positions`` (padding included).  fed: [b, q] attention mask of the fed tokens"""
-    if stats is not None:
-        stats["prefill_tokens"] = stats.get("prefill_tokens", 0) + int(fed.sum())
-        stats["prefill_positions"] = stats.get("prefill_positions", 0) + fed.numel()
+class _Live:
+    """The rows of a micro-batch still decoding (finished ones are dropped, KV cache
+    included): each one's index in the micro-batch, whether it has finished, the attention
+    mask so far, the next forward's ids and positions, and the tokens each has seen
+    (``seen``, for the repetition penalty; set at the first step)."""
+
+    def __init__(self, ids: torch.Tensor, attn: torch.Tensor, turn, pad_id: int) -> None:
+        B, device = ids.shape[0], ids.device
+        self.cache, self.turn = DynamicCache(), turn
+        self.ids, self.attn = ids, attn
+        self.pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, L]
+        if turn is not None and (begun := turn.start(ids, attn, pad_id)) is not None:
+            self.cache, self.ids, self.attn, self.pos = begun
+        self.rows = torch.arange(B, device=device)
+        self.done = torch.zeros(B, dtype=torch.bool, device=device)
+        self.seen: torch.Tensor | None = None  # [b, V] bool
+
+    def forward(self, model, extra: dict) -> torch.Tensor:
+        """The next step's logits, [b, V] float32."""
+        out = model(input_ids=self.ids, attention_mask=self.attn, position_ids=self.pos,
+                    past_key_values=self.cache, use_cache=True, **extra)  # fmt: skip
+        return out.logits[:, -1, :].float()
+
+    def advance(self, tok: torch.Tensor) -> None:
+        """Feed ``tok`` [b] next; once an eighth of the rows finished, drop them (their KV
+        first kept for their next turn)."""
+        self.ids, self.pos = tok[:, None], self.pos[:, -1:] + 1
+        done = self.done
+        if int(done.sum()) * 8 >= len(self.rows):
+            keep = (~done).nonzero().squeeze(-1)
+            if self.turn is not None:
+                self.turn.keep(self.cache, done.nonzero().squeeze(-1), self.rows, self.attn)
+            self.cache.batch_select_indices(keep)
+            self.rows, self.done, self.attn = self.rows[keep], done[keep], self.attn[keep]
+            self.ids, self.pos = self.ids[keep], self.pos[keep]
+            self.seen = None if self.seen is None else self.seen[keep]
+        self.attn = torch.cat([self.attn, (~self.done).long()[:, None]], dim=1)  # [b, L+t+1]
 
 
 def stop_strings(tokenizer, stops: tuple[str, ...]) -> Callable[[list[list[int]]], list[bool]]:

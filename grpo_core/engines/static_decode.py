@@ -17,7 +17,7 @@ is the reference):
   and replayed (static input buffers, the cache and parameters at fixed addresses); if the
   capture fails the loop goes on without the graph and says so once.
 
-Sampling is the same as the dynamic loop's (:func:`grpo_core.engines.generation._next_tokens`: same
+Sampling is the same as the dynamic loop's (:func:`grpo_core.engines.decode_step.next_tokens`: same
 logit adjustments), and so is what is recorded (grpo_core/engines/token_logprobs.py: logprob
 of the sampled token under the adjusted distribution, and under the policy's own softmax
 when that was processed).
@@ -31,6 +31,16 @@ from collections.abc import Callable
 import torch
 from transformers import StaticCache
 
+from grpo_core.engines.decode_step import (
+    count_prefill,
+    forward_takes,
+    keeps_last_logits,
+    left_pad,
+    next_tokens,
+    repetition_penalty,
+    seen_tokens,
+)
+from grpo_core.engines.token_logprobs import Completions, processes_distribution
 from grpo_core.engines.turn_cache import static_shape
 
 log = logging.getLogger(__name__)
@@ -147,60 +157,28 @@ def generate_batch_static(
     ``stats``: gets ``decode`` (the mode that ran), ``steps`` and the prefill's tokens.
     ``turn``: the episodes' KV kept from their earlier turns, and the pool of caches and
     captured steps kept across turns (grpo_core/engines/turn_cache.py)."""
-    from grpo_core.engines.generation import (
-        _left_pad,
-        _next_tokens,
-        _repetition_penalty,
-        count_prefill,
-    )
-    from grpo_core.engines.token_logprobs import Completions, processes_distribution
-
     device = model.device
     B, T = len(prompts), params.max_new_tokens
-    ids, attn = _left_pad(prompts, pad_id, device)  # [B, L]
-    seen_ids, seen_attn = ids, attn  # the whole contexts (repetition penalty)
-    laid = None if turn is None else turn.layout(pad_id, device)
-    P = 0  # positions of kept KV before the fed tokens
-    if laid is not None:
-        kv, ids, attn, P = laid  # ids [B, N] new tokens, attn [B, P + N]
-    W = attn.shape[1]  # the positions before decoding
-    R, K = static_shape(None if turn is None else turn.owner, B, W + T)
-    if R > B:  # rows rounded up (a turn cache's pool): padding rows, finished from the start
-        ids = torch.cat([ids, ids.new_full((R - B, ids.shape[1]), pad_id)])
-        attn = torch.cat([attn, attn.new_zeros((R - B, W))])
-    with_position = _forward_takes(model, "cache_position")
-
-    def make():
-        keys = torch.zeros((R, K), dtype=torch.bool, device=device)  # positions a row sees
-        cache = StaticCache(config=model.config, max_cache_len=K)
-        return cache, keys, _Step(model, cache, keys, graphs, {"cache_position": with_position})
-
-    cache, keys, step = make() if turn is None else turn.owner.static_slots(R, K, make)
-    keys[:, :W] = attn.bool()
-    if laid is not None:  # the kept KV in the first P positions
-        for layer, (k, v) in enumerate(kv):
-            cache.update(torch.cat([k, k.new_zeros((R - B, *k.shape[1:]))]),
-                         torch.cat([v, v.new_zeros((R - B, *v.shape[1:]))]), layer)  # fmt: skip
-    logits, pos = _prefill(model, ids, attn, keys, cache, P, with_position)
-    count_prefill(stats, attn[:B, P:])
-    processed = processes_distribution(params)
-    out = Completions(B, T, pad_id, device, policy=processed)
+    prompt_ids, prompt_attn = left_pad(prompts, pad_id, device)  # [B, L]
+    s = _Slots(model, prompt_ids, prompt_attn, pad_id, turn, graphs, T)
+    logits, pos = _prefill(model, s.ids, s.attn, s.keys, s.cache, s.P, s.with_position)
+    count_prefill(stats, s.attn[:B, s.P :])
+    out = Completions(B, T, pad_id, device, policy=processes_distribution(params))
     eos = torch.tensor(sorted(eos_ids), device=device)
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    seen = None
+    seen = None  # [B, V] the contexts' tokens, prompt without padding (repetition penalty)
     if params.repetition_penalty != 1.0:
-        counts = torch.zeros((B, logits.shape[-1]), dtype=torch.long, device=device)
-        seen = counts.scatter_add_(1, seen_ids, seen_attn) > 0  # [B, V] prompt, no padding
+        seen = seen_tokens(logits.shape[-1], prompt_ids, prompt_attn)
     budget = None if budgets is None else torch.tensor(budgets, device=device)  # [B]
     host = _StopStrings(stop_hits, B) if stop_hits is not None else None
-    padding = ids.new_full((R - B,), pad_id)  # the padding rows' tokens (rows rounded up)
-    last = pos[:, -1:]  # [B, 1]
+    padding = s.ids.new_full((s.R - B,), pad_id)  # the padding rows' tokens (rows rounded up)
+    last, W = pos[:, -1:], s.W  # [B, 1]
     steps = 0
     for t in range(T):
         logits = raw = logits[:B].float()  # padding rows are never sampled
         if seen is not None:
-            logits = _repetition_penalty(logits, seen, params.repetition_penalty)
-        logprobs, tok = _next_tokens(logits, params, generator)  # [B, V], [B]
+            logits = repetition_penalty(logits, seen, params.repetition_penalty)
+        logprobs, tok = next_tokens(logits, params, generator)  # [B, V], [B]
         tok = torch.where(done, pad_id, tok)
         out.record_all(t, done, tok, logprobs, raw, params.temperature)
         hit = torch.isin(tok, eos) & ~done
@@ -219,21 +197,53 @@ def generate_batch_static(
             host.check(out, done, steps)
         if last_step or (steps % CHECK_EVERY == 0 and bool(done.all())):
             break
-        keys[:, W + t] = True
+        s.keys[:, W + t] = True
         last = last + 1
-        logits = step(torch.cat([tok, padding]) if R > B else tok, last, W + t)
+        logits = s.step(torch.cat([tok, padding]) if s.R > B else tok, last, W + t)
     if stats is not None:
-        stats["decode"] = step.mode
+        stats["decode"] = s.step.mode
         stats["steps"] = steps
     if turn is not None:
-        turn.keep_static(cache, attn, out.lengths.tolist(), out.stopped.tolist(), B)
+        turn.keep_static(s.cache, s.attn, out.lengths.tolist(), out.stopped.tolist(), B)
     return out.lists()
 
 
-def _forward_takes(model, name: str) -> bool:
-    from grpo_core.engines.generation import _forward_takes as takes
+class _Slots:
+    """A micro-batch's fixed shapes before its prefill: ``R`` rows (``B`` rounded up by a
+    turn cache's pool; the extra ones padding, finished from the start) by ``K`` positions,
+    the ``StaticCache``, the positions each row sees (``keys``), and the decode step (kept
+    across turns by a turn cache); ``ids``/``attn`` what the prefill feeds and attends to,
+    after ``P`` positions of KV kept from earlier turns (written into the cache here), ``W``
+    positions in all before decoding."""
 
-    return takes(model, name)
+    def __init__(self, model, ids, attn, pad_id: int, turn, graphs: bool, T: int) -> None:
+        B, device = ids.shape[0], ids.device
+        laid = None if turn is None else turn.layout(pad_id, device)
+        self.P = 0  # positions of kept KV before the fed tokens
+        if laid is not None:
+            kv, ids, attn, self.P = laid  # ids [B, N] new tokens, attn [B, P + N]
+        self.W = W = attn.shape[1]  # the positions before decoding
+        R, K = static_shape(None if turn is None else turn.owner, B, W + T)
+        self.R = R
+        if R > B:
+            ids = torch.cat([ids, ids.new_full((R - B, ids.shape[1]), pad_id)])
+            attn = torch.cat([attn, attn.new_zeros((R - B, W))])
+        self.ids, self.attn = ids, attn
+        self.with_position = forward_takes(model, "cache_position")
+
+        def make():
+            keys = torch.zeros((R, K), dtype=torch.bool, device=device)  # positions a row sees
+            cache = StaticCache(config=model.config, max_cache_len=K)
+            extra = {"cache_position": self.with_position}
+            return cache, keys, _Step(model, cache, keys, graphs, extra)
+
+        slots = make() if turn is None else turn.owner.static_slots(R, K, make)
+        self.cache, self.keys, self.step = slots
+        self.keys[:, :W] = attn.bool()
+        if laid is not None:  # the kept KV in the first P positions
+            for layer, (k, v) in enumerate(kv):
+                self.cache.update(torch.cat([k, k.new_zeros((R - B, *k.shape[1:]))]),
+                                  torch.cat([v, v.new_zeros((R - B, *v.shape[1:]))]), layer)  # fmt: skip
 
 
 def _prefill(model, ids, attn, keys, cache, offset: int = 0, with_position: bool = False):
@@ -241,15 +251,13 @@ def _prefill(model, ids, attn, keys, cache, offset: int = 0, with_position: bool
     kept KV): causal over each row's real tokens (a padding query sees itself, so no row is
     empty). ``attn`` [B, offset + L]: the positions each row attends to. Returns the last
     position's logits [B, V] and the fed tokens' positions [B, L]."""
-    from grpo_core.engines.generation import _keeps_last_logits
-
     device, L, K = ids.device, ids.shape[1], keys.shape[1]
     causal = torch.ones((L, K), dtype=torch.bool, device=device).tril(offset)  # [L, K]
     eye = torch.eye(L, K - offset, dtype=torch.bool, device=device)  # [L, K - offset]
     eye = torch.cat([eye.new_zeros((L, offset)), eye], dim=1)  # [L, K]: each query itself
     allowed = (causal[None] & keys[:, None, :]) | eye[None]  # [B, L, K]
     pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, offset:]  # [B, L]
-    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+    extra = {"logits_to_keep": 1} if keeps_last_logits(model) else {}
     if with_position:
         extra["cache_position"] = torch.arange(offset, offset + L, device=device)
     impl, dtype = model.config._attn_implementation, next(model.parameters()).dtype
