@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,8 @@ from cluster.ray_session import ensure_ray
 
 ROLE = "trainer"
 PLACEMENT_TIMEOUT_S = 300.0  # how long the actors' resources may take to appear (autoscaling)
+STRICT_WAIT_S = 10.0  # how long the strict placement is waited for before Ray's preference
+REMOVAL_TIMEOUT_S = 30.0  # how long a closed group's placement may take to be given back
 # process environment the actors get from the driver when it has them (a remote node does not
 # inherit the driver's environment); OMP_NUM_THREADS is set from the worker's num_cpus
 FORWARDED_ENV = (
@@ -141,7 +144,7 @@ class TrainerGroup:
 
     def __init__(self, cfg: ClusterConfig):
         ray = ensure_ray(cfg)
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         g = cfg.trainer
@@ -157,10 +160,12 @@ class TrainerGroup:
         }
         if bundle:
             _check_fits(ray, cfg)
-            self.placement = placement_group([bundle] * g.workers, strategy=g.placement.upper())
+            self.placement = _strictly(ray, g.placement, bundle, g.workers)
+            if self.placement is None:
+                self.placement = placement_group([bundle] * g.workers, strategy=g.placement.upper())
             ready, _ = ray.wait([self.placement.ready()], timeout=PLACEMENT_TIMEOUT_S)
             if not ready:
-                remove_placement_group(self.placement)
+                _remove(self.placement)
                 raise TrainerGroupError(
                     f"{ROLE} group: {g.workers} worker(s) of {bundle} (cluster.trainer.workers, "
                     f"num_cpus, num_gpus) could not be placed in {PLACEMENT_TIMEOUT_S:.0f} s; "
@@ -247,10 +252,52 @@ class TrainerGroup:
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             if self.placement is not None:
-                from ray.util.placement_group import remove_placement_group
-
-                remove_placement_group(self.placement)
+                _remove(self.placement)
         self.actors, self.placement = [], None
+
+
+def _strictly(ray, placement: str, bundle: dict[str, float], workers: int):
+    """The group placed as ``placement`` says without exception (Ray's STRICT_PACK: all
+    ranks on one node; STRICT_SPREAD: one rank per node), when the cluster's nodes are big
+    and many enough for it and it is placed within ``STRICT_WAIT_S``; else None, and the
+    caller asks for Ray's PACK / SPREAD, which are preferences: Ray places against them
+    when the resources are taken at that moment (by the other roles, or a group still being
+    removed), so what a run gets would depend on timing."""
+    from ray.util.placement_group import placement_group
+
+    if workers < 2:
+        return None
+    need = {k: v * workers for k, v in bundle.items()} if placement == "pack" else bundle
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    fit = [n for n in nodes if all(n.get(k, 0) >= v for k, v in need.items())]
+    if len(fit) < (1 if placement == "pack" else workers):
+        return None
+    group = placement_group([bundle] * workers, strategy=f"STRICT_{placement.upper()}")
+    ready, _ = ray.wait([group.ready()], timeout=STRICT_WAIT_S)
+    if ready:
+        return group
+    _remove(group)
+    log.info("%s group: %d ranks could not be placed strictly %s in %.0f s; placing them "
+             "as Ray prefers", ROLE, workers, placement, STRICT_WAIT_S)  # fmt: skip
+    return None
+
+
+def _remove(placement) -> None:
+    """Remove a placement group and wait until Ray has given its bundles back. Ray removes
+    one asynchronously: a group placed at once after (a restart, a new ``cluster:`` setting)
+    would otherwise see the old one's CPUs still taken, and ``spread``, which Ray treats as a
+    preference, would put its ranks on the nodes left free instead of one per node."""
+    from ray.util import placement_group_table
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(placement)
+    deadline = time.monotonic() + REMOVAL_TIMEOUT_S
+    while placement_group_table(placement).get("state") != "REMOVED":
+        if time.monotonic() > deadline:
+            log.warning("%s group: its placement group was not removed in %.0f s",
+                        ROLE, REMOVAL_TIMEOUT_S)  # fmt: skip
+            return
+        time.sleep(0.05)
 
 
 _GROUP: dict[str, TrainerGroup] = {}

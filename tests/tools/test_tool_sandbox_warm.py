@@ -288,6 +288,7 @@ def test_no_kernel_object_outlives_a_call_and_no_capability(isolation):
 def test_a_calls_random_numbers_are_a_function_of_the_call(isolation):
     """``random`` is seeded per call from the program (as the hash seed is fixed): the same
     call prints the same numbers on a rerun, another call other numbers."""
+    isolation_or_skip(isolation)
     tool = PythonTool(ToolSpec(tool_isolation=isolation, tool_sandbox="fresh"))
     code = "import random\nprint(random.random(), random.getrandbits(64))"
     a, b = tool.run(code), tool.run(code)
