@@ -5,7 +5,7 @@
 # break `import transformers`; text generation needs none of them, so they are removed.
 # Then the engine tests run (tests/engines: hf and vllm; the vllm ones must not skip).
 #   bash .ci/vllm.sh            # ~6 min on 2 cores (warm pip cache, busy machine): ~4 min install, ~1.7 min tests
-#   bash .ci/vllm.sh install    # the venv only (.ci/run builds it while the main suite runs)
+#   bash .ci/vllm.sh install    # the venv only
 #   bash .ci/vllm.sh test       # the tests only, in the venv built before
 set -euo pipefail
 step=${1:-all}

@@ -66,6 +66,10 @@ class Local:
         self._engine_process = None  # started with the first snapshot sampled
         self._threads: int | None = None  # torch threads before an overlapping stage
 
+    def recoveries(self) -> dict[str, int]:
+        """Lost workers replaced so far (:class:`OnRay`); one process has none to lose."""
+        return {}
+
     def hold(self, policy_id: str, load: Callable[[], Policy], source: str | Path) -> None:
         """Freeze the weights of ``policy_id`` (``load()``: a handle on them)
         now, for a rollout that runs while the trainer goes on (``source``: a checkpoint
@@ -185,6 +189,16 @@ class OnRay(Local):
 
     remote_sampling = True
     overlapped = False  # rollouts run beside the trainer group's update (:meth:`overlap`)
+    trainer_restarts = 0  # trainer groups started again after a rank died (:meth:`update`)
+
+    def recoveries(self) -> dict[str, int]:
+        """What this process has recovered from so far: trainer groups started again after
+        a rank died, rollout replicas started again after one died (a stage logs the
+        difference over its run: flows/rl.py)."""
+        from cluster import rollout_workers
+
+        replaced = sum(g.replaced for g in rollout_workers.groups())
+        return {"trainer_restarts": self.trainer_restarts, "replicas_replaced": replaced}
 
     def overlap(self, on: bool) -> None:
         """While on, the replicas read each policy's checkpoint (the trainer group wrote
@@ -264,6 +278,7 @@ class OnRay(Local):
                     shutil.rmtree(tmp, ignore_errors=True)
                 if not e.lost or attempt == restarts:
                     raise
+                self.trainer_restarts += 1
                 log.warning("%s; starting a new %s group (restart %d of %d): its ranks load "
                             "the policy again and redo the work", e, ROLE, attempt + 1,
                             restarts)  # fmt: skip

@@ -74,6 +74,7 @@ def rl_stage(
     with stage_run(tracking, stage, {"init_checkpoint": init_checkpoint}, config=config) as run_id:
         _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights)
         trainer = open_trainer()  # the learner this stage trains, and its lineage
+        recovered = runtime.executor().recoveries()  # lost workers replaced before the stage
         held_out = HeldOut(eval_path, eval_cfg, eval_engine, force, trainer)
         log = StageLog(tracking, run_id, stage, held_out, blocks=Blocks(rl, config))
         t0, start_eval = time.perf_counter(), None
@@ -101,6 +102,7 @@ def rl_stage(
         saves.finish()
         if tasks.shares:
             log.metrics.add(chart_metrics(tasks.shares), rl.iterations)
+        log.metrics.add(_recovered(recovered), rl.iterations)
         final = _final_checkpoint(ws.checkpoint(stage), policy, trainer)
         wall = log.finish(final, step, reused, rl.iterations, t0)
     return RLStageOutcome(
@@ -225,6 +227,13 @@ class _StageTasks:
             self.shares = self.overlap.shares()
         if self.rl.async_level:
             runtime.executor().overlap(False)
+
+
+def _recovered(before: dict[str, int]) -> dict[str, float]:
+    """``cluster/trainer_restarts`` and ``cluster/replicas_replaced`` during the stage (on
+    Ray; 0 in a run nothing disturbed), so a recovered stage shows in MLflow."""
+    now = runtime.executor().recoveries()
+    return {f"cluster/{k}": float(max(0, v - before.get(k, 0))) for k, v in now.items()}
 
 
 def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:

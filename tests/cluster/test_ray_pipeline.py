@@ -56,6 +56,17 @@ def _run(tmp_path: Path, name: str, extra: list[str]) -> dict:
     return r1_pipeline(cfg)
 
 
+def _stage_metric(tmp_path: Path, name: str, stage: str, key: str) -> float:
+    """``key`` of run ``name``'s ``stage`` run in its MLflow store."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / name}.db")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments, f"tags.stage = '{stage}'")  # (its evals' too)
+    (value,) = [r.data.metrics[key] for r in runs if key in r.data.metrics]
+    return value
+
+
 def _kill_rank_1_once(record: Path) -> list[int]:
     """SIGKILL trainer rank 1 once ``record`` (an rl_1 iteration's policy record: its update
     is done, the next is to come) exists; the pid killed goes in the list returned."""
@@ -136,6 +147,12 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
         ours = Workspace(tmp_path / "killed" / "demo").checkpoint(stage) / "policy_id.txt"
         theirs = ws.checkpoint(stage) / "policy_id.txt"
         assert ours.read_text().split()[0] == theirs.read_text().split()[0], stage
+    # the recovery shows in MLflow, in the stage it happened in
+    restarts = {(name, stage): _stage_metric(tmp_path, name, stage, "cluster/trainer_restarts")
+                for name in ("ray", "killed") for stage in ("rl_1", "rl_2")}  # fmt: skip
+    assert restarts == {("ray", "rl_1"): 0, ("ray", "rl_2"): 0,
+                        ("killed", "rl_1"): 1, ("killed", "rl_2"): 0}  # fmt: skip
+    assert _stage_metric(tmp_path, "killed", "rl_1", "cluster/replicas_replaced") == 0
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}
