@@ -230,10 +230,10 @@ class _StageTasks:
 
 
 def _recovered(before: dict[str, int]) -> dict[str, float]:
-    """``cluster/trainer_restarts`` and ``cluster/replicas_replaced`` during the stage (on
+    """``recovery/trainer_restarts`` and ``recovery/replicas_replaced`` during the stage (on
     Ray; 0 in a run nothing disturbed), so a recovered stage shows in MLflow."""
     now = runtime.executor().recoveries()
-    return {f"cluster/{k}": float(max(0, v - before.get(k, 0))) for k, v in now.items()}
+    return {f"recovery/{k}": float(max(0, v - before.get(k, 0))) for k, v in now.items()}
 
 
 def _log_settings(tracking, run_id, stage, init_checkpoint, rl, weights) -> None:

@@ -148,11 +148,11 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
         theirs = ws.checkpoint(stage) / "policy_id.txt"
         assert ours.read_text().split()[0] == theirs.read_text().split()[0], stage
     # the recovery shows in MLflow, in the stage it happened in
-    restarts = {(name, stage): _stage_metric(tmp_path, name, stage, "cluster/trainer_restarts")
+    restarts = {(name, stage): _stage_metric(tmp_path, name, stage, "recovery/trainer_restarts")
                 for name in ("ray", "killed") for stage in ("rl_1", "rl_2")}  # fmt: skip
     assert restarts == {("ray", "rl_1"): 0, ("ray", "rl_2"): 0,
                         ("killed", "rl_1"): 1, ("killed", "rl_2"): 0}  # fmt: skip
-    assert _stage_metric(tmp_path, "killed", "rl_1", "cluster/replicas_replaced") == 0
+    assert _stage_metric(tmp_path, "killed", "rl_1", "recovery/replicas_replaced") == 0
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}
