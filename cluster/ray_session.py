@@ -27,7 +27,11 @@ def ensure_ray(cfg: ClusterConfig | None = None):
     else:
         from cluster.resources import local_num_cpus
 
-        ray.init(num_cpus=local_num_cpus(cfg), include_dashboard=False, log_to_driver=True)
+        # address="local": a Ray of this run's own even when one already runs on this
+        # machine (`ray start --head`, a test's cluster): ray.init would join that one, and
+        # then refuse the num_cpus given here
+        ray.init(address="local", num_cpus=local_num_cpus(cfg), include_dashboard=False,
+                 log_to_driver=True)  # fmt: skip
         atexit.register(shutdown)
         log.info("started a local Ray (%s CPUs)", ray.cluster_resources().get("CPU"))
     return ray

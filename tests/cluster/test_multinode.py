@@ -118,3 +118,42 @@ def test_trainer_ranks_on_two_nodes_make_the_one_process_update(nodes, tiny_chec
     b = load_file(os.path.join(two.checkpoint, "model.safetensors"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def _demo(tmp_path, name: str, extra: list[str]) -> dict:
+    """The demo at the tests' tiny budget on Ray (2 replicas, 2 trainer ranks, 2 scorers)."""
+    from test_ray_pipeline import RAY, _tiny_overrides
+
+    from flows.r1 import r1_pipeline
+
+    cfg = load_config(None, [*_tiny_overrides(), *RAY, *extra, f"output_dir={tmp_path / name}",
+                             f"tracking.uri=sqlite:///{tmp_path / name}.db"])  # fmt: skip
+    return r1_pipeline(cfg)
+
+
+def test_the_demo_across_two_nodes_ends_as_on_one_node(nodes, prefect_harness, tmp_path):
+    """The whole recipe with the trainer ranks and the rollout replicas each spread over the
+    two worker nodes ends every stage with the policy, and the held-out table, of the same
+    run on a one-node Ray: placement moves work, never a number. (Last in this module: it
+    leaves the driver on a Ray of its own.)"""
+    import ray
+
+    from cluster import rollout_workers, runtime, trainer_group
+    from flows.config import CHECKPOINT_STAGES
+    from tasks.policies import ref as policy_ref
+
+    cluster, worker_ids = nodes
+    across = _demo(tmp_path, "across", [f"cluster.address={cluster.address}",
+                                        "cluster.trainer.placement=spread"])  # fmt: skip
+    ranks = ray.get([a.node_id.remote() for a in trainer_group.running().actors])
+    (group,) = rollout_workers.groups()
+    replicas = ray.get([a.node_id.remote() for a in group.actors])
+    assert set(ranks) == set(replicas) == worker_ids  # each role on both nodes
+    runtime.shutdown()  # the driver leaves the cluster; the run below starts a local Ray
+    one = _demo(tmp_path, "one", [])
+    table = {r["stage"]: (r["accuracy"], r["format_rate"]) for r in one["stages"]}
+    assert {r["stage"]: (r["accuracy"], r["format_rate"]) for r in across["stages"]} == table
+    for stage in CHECKPOINT_STAGES:
+        a = policy_ref.policy_id(tmp_path / "across" / "demo" / "checkpoints" / stage)
+        b = policy_ref.policy_id(tmp_path / "one" / "demo" / "checkpoints" / stage)
+        assert a == b, stage
