@@ -112,15 +112,9 @@ def _bad_scored(d: Path, fingerprint: str) -> dict[str, str]:
     return out
 
 
-@contextmanager
-def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
-    """Every malformed input, written under ``d`` once from the small real ``checkpoint``: a
-    name -> path (or URL) map; ``work`` is the commands' working directory, ``dir`` the
-    folder of the reward and config files. The refused port and the silent one stay valid,
-    and the read-only folder read-only, until the block ends."""
-    work = d / "work"
-    work.mkdir()
-    p = {"work": work, "ckpt": str(checkpoint)}
+def _data_files(d: Path) -> dict:
+    """Data files each malformed in one way (and good ones beside them)."""
+    p: dict = {}
     p["sft"] = _jsonl(d / "sft.jsonl", GOOD_SFT)
     p["rl"] = _jsonl(d / "rl.jsonl", GOOD_RL)
     p["eval"] = _jsonl(d / "eval.jsonl", GOOD_RL)
@@ -146,8 +140,12 @@ def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
     p["txt"] = str(d / "rl.txt")
     (d / "rl_trunc.parquet").write_bytes(b"PAR1" + b"\0" * 40)
     p["rl_trunc_parquet"] = str(d / "rl_trunc.parquet")
+    return p
 
-    ck = Path(checkpoint)
+
+def _checkpoints(ck: Path, d: Path) -> dict:
+    """Copies of checkpoint ``ck``, each broken in one way."""
+    p: dict = {}
     weights = "model.safetensors"
     size = (ck / weights).stat().st_size
     p["ck_truncated"] = _checkpoint(
@@ -171,7 +169,12 @@ def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
 
     p["ck_no_tokenizer"] = _checkpoint(ck, d / "ck_notok", no_tokenizer)
     p["ck_no_weights"] = _checkpoint(ck, d / "ck_noweights", lambda c: (c / weights).unlink())
+    return p
 
+
+def _run_files(ck: Path, d: Path) -> dict:
+    """Rollout and scored Parquet files, good and broken, of ``ck``'s tokenizer."""
+    p: dict = {}
     from tokenizers import Tokenizer
 
     from grpo_core.contracts.rollouts import tokenizer_fingerprint
@@ -207,7 +210,12 @@ def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
         (c / "tokenizer.json").write_text(json.dumps(tok))
 
     p["ck_swapped"] = _checkpoint(ck, d / "ck_swapped", swap_two_tokens)
+    return p
 
+
+def _config_files(d: Path) -> dict:
+    """YAML, reward modules and tracking stores that cannot be used."""
+    p: dict = {}
     (d / "bad.yaml").write_text("rl:\n  learning_rate: 1.0e-4\n   beta: 0.1\n")
     p["bad_yaml"] = str(d / "bad.yaml")
     (d / "syntax_err.py").write_text("def fn(prompts, completions, **kw)\n    return []\n")
@@ -224,6 +232,22 @@ def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
     ro_db.write_bytes(b"SQLite format 3\x00" + b"\0" * 84)
     ro_db.chmod(0o444)
     p["ro_db"] = str(ro_db)
+    return p
+
+
+@contextmanager
+def write_inputs(d: Path, checkpoint: Path | str) -> Iterator[dict]:
+    """Every malformed input, written under ``d`` once from the small real ``checkpoint``: a
+    name -> path (or URL) map; ``work`` is the commands' working directory, ``dir`` the
+    folder of the reward and config files. The refused port and the silent one stay valid,
+    and the read-only folder read-only, until the block ends."""
+    work = d / "work"
+    work.mkdir()
+    p = {"work": work, "ckpt": str(checkpoint)}
+    p.update(_data_files(d))
+    p.update(_checkpoints(Path(checkpoint), d))
+    p.update(_run_files(Path(checkpoint), d))
+    p.update(_config_files(d))
     ro_dir = d / "ro_dir"
     ro_dir.mkdir()
     ro_dir.chmod(0o555)

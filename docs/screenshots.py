@@ -47,7 +47,6 @@ CHART_CARD = "[data-testid=experiment-view-compare-runs-card] h4"
 
 def find_run(run_name: str, tracking_uri: str, api: str, rl_stage: str, experiment: str | None):
     """Everything the screenshots need about pipeline ``run_name``: ids and page URLs."""
-    import httpx
     from mlflow.tracking import MlflowClient
 
     from tasks.tracking.stages import experiment_url, run_url
@@ -80,6 +79,25 @@ def find_run(run_name: str, tracking_uri: str, api: str, rl_stage: str, experime
     tables = sorted(
         a.path for a in client.list_artifacts(rl.info.run_id, "samples") if a.path.endswith(".json")
     )
+    return {
+        "run_name": run_name,
+        "rl_run_name": rl.info.run_name,
+        **_prefect_pages(api, run_name, rl_stage),
+        "mlflow": tracking_uri.rstrip("/"),
+        "experiment": experiment_url(tracking_uri, exp_id),
+        "parent": run_url(tracking_uri, exp_id, pid),
+        "parent_charts": run_url(tracking_uri, exp_id, pid, "model-metrics"),
+        "rl_charts": run_url(tracking_uri, exp_id, rl.info.run_id, "model-metrics"),
+        "completions": tables
+        and run_url(tracking_uri, exp_id, rl.info.run_id, f"artifacts/{tables[-1]}"),
+        "completions_path": tables[-1] if tables else None,
+    }
+
+
+def _prefect_pages(api: str, run_name: str, rl_stage: str) -> dict:
+    """The Prefect UI's pages of pipeline ``run_name``: its flow run, and the latest summary
+    artifacts of the pipeline and of ``rl_stage``."""
+    import httpx
 
     with httpx.Client(base_url=api, timeout=30) as http:
         flow = http.get("/flows/name/r1-pipeline")
@@ -117,21 +135,11 @@ def find_run(run_name: str, tracking_uri: str, api: str, rl_stage: str, experime
         (k for k in ("pipeline-summary", "r1-pipeline-summary") if k in artifact), ""
     )
     return {
-        "run_name": run_name,
-        "rl_run_name": rl.info.run_name,
         "prefect_ui": ui,
         "flow_run": f"{ui}/runs/flow-run/{top}",
         "stage_artifact": artifact.get(stage_key)
         and f"{ui}/artifacts/artifact/{artifact[stage_key]}",
         "pipeline_artifact": summary_key and f"{ui}/artifacts/artifact/{artifact[summary_key]}",
-        "mlflow": tracking_uri.rstrip("/"),
-        "experiment": experiment_url(tracking_uri, exp_id),
-        "parent": run_url(tracking_uri, exp_id, pid),
-        "parent_charts": run_url(tracking_uri, exp_id, pid, "model-metrics"),
-        "rl_charts": run_url(tracking_uri, exp_id, rl.info.run_id, "model-metrics"),
-        "completions": tables
-        and run_url(tracking_uri, exp_id, rl.info.run_id, f"artifacts/{tables[-1]}"),
-        "completions_path": tables[-1] if tables else None,
     }
 
 
