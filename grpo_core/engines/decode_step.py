@@ -6,10 +6,31 @@ prefill count. vLLM's order: repetition penalty -> temperature -> min-p -> top-k
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from grpo_core.config.settings import SamplingParams
+
+
+@dataclass
+class DecodeBatch:
+    """One micro-batch for a decode loop: its contexts (token ids), the sampling knobs, the
+    pad and EOS ids, the seeded generator (None: unseeded), the stop-string matcher,
+    ``stats`` to add the prefill and steps to, ``turn`` (the episodes' KV kept from their
+    earlier turns: grpo_core/engines/turn_cache.py) and each row's own token budget."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    pad_id: int
+    eos_ids: set[int]
+    generator: torch.Generator | None
+    stop_hits: Callable[[list[list[int]]], list[bool]] | None = None
+    stats: dict | None = None
+    turn: Any = None
+    budgets: list[int] | None = None
 
 
 def left_pad(

@@ -28,6 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 from grpo_core.config.settings import SamplingParams  # noqa: F401  (imported from here too)
 from grpo_core.config.stages import DEFAULT_MAX_BATCH_TOKENS
 from grpo_core.engines.decode_step import (
+    DecodeBatch,
     count_prefill,
     keeps_last_logits,
     left_pad,
@@ -79,21 +80,15 @@ def _stop_string_hits(stop_hits, gen: list[list[int]], rows, active, tok, device
 
 @torch.no_grad()
 def _generate_batch(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    pad_id: int,
-    eos_ids: set[int],
-    generator: torch.Generator | None,
-    stop_hits: Callable[[list[list[int]]], list[bool]] | None = None,
-    *,
-    stats: dict | None = None,
-    turn=None,
-    budgets: list[int] | None = None,
+    model: PreTrainedModel, batch: DecodeBatch
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """One micro-batch. ``turn`` (grpo_core/engines/turn_cache.py): the episodes' KV kept
-    from their earlier turns (only the tokens after it are fed) and kept again for the next.
-    ``budgets``: each row's own most new tokens (a row that reaches it finishes, length)."""
+    """One micro-batch. ``batch.turn`` (grpo_core/engines/turn_cache.py): the episodes' KV
+    kept from their earlier turns (only the tokens after it are fed) and kept again for the
+    next. ``batch.budgets``: each row's own most new tokens (a row that reaches it finishes,
+    length)."""
+    prompts, params, pad_id, generator = batch.prompts, batch.params, batch.pad_id, batch.generator
+    stop_hits, stats, turn, budgets = batch.stop_hits, batch.stats, batch.turn, batch.budgets
+    eos_ids = batch.eos_ids
     device = model.device
     B = len(prompts)
     input_ids, prompt_attn = left_pad(prompts, pad_id, device)
@@ -327,18 +322,10 @@ def generate(
                 chunk = jobs[start:end]
                 contexts = [prompt_ids[p] for p, _ in chunk]
                 turn = None if turns is None else turns.batch(episodes[start:end], contexts)
-                ids, lps, reasons, pol = batch_fn(
-                    model,
-                    contexts,
-                    params,
-                    pad_token_id,
-                    eos_ids,
-                    generator,
-                    stop_hits,
-                    stats=stats,
-                    **({} if turn is None else {"turn": turn}),
-                    **({} if budgets is None else {"budgets": budgets[start:end]}),
-                )
+                batch = DecodeBatch(contexts, params, pad_token_id, eos_ids, generator,
+                                    stop_hits, stats=stats, turn=turn,
+                                    budgets=None if budgets is None else budgets[start:end])  # fmt: skip
+                ids, lps, reasons, pol = batch_fn(model, batch)
                 if turn is not None:
                     turn.done(ids)
                 pol = pol if pol is not None else [None] * len(chunk)

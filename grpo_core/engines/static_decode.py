@@ -26,12 +26,12 @@ when that was processed).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from transformers import StaticCache
 
 from grpo_core.engines.decode_step import (
+    DecodeBatch,
     count_prefill,
     forward_takes,
     keeps_last_logits,
@@ -139,24 +139,14 @@ class _Step:
 
 
 @torch.no_grad()
-def generate_batch_static(
-    model,
-    prompts: list[list[int]],
-    params,
-    pad_id: int,
-    eos_ids: set[int],
-    generator: torch.Generator | None,
-    stop_hits: Callable[[list[list[int]]], list[bool]] | None = None,
-    *,
-    graphs: bool = False,
-    stats: dict | None = None,
-    turn=None,
-    budgets: list[int] | None = None,
-):
+def generate_batch_static(model, batch: DecodeBatch, *, graphs: bool = False):
     """``grpo_core.engines.generation._generate_batch`` with fixed shapes (module docstring).
-    ``stats``: gets ``decode`` (the mode that ran), ``steps`` and the prefill's tokens.
-    ``turn``: the episodes' KV kept from their earlier turns, and the pool of caches and
-    captured steps kept across turns (grpo_core/engines/turn_cache.py)."""
+    ``batch.stats``: gets ``decode`` (the mode that ran), ``steps`` and the prefill's tokens.
+    ``batch.turn``: the episodes' KV kept from their earlier turns, and the pool of caches
+    and captured steps kept across turns (grpo_core/engines/turn_cache.py)."""
+    prompts, params, pad_id, generator = batch.prompts, batch.params, batch.pad_id, batch.generator
+    stop_hits, stats, turn, budgets = batch.stop_hits, batch.stats, batch.turn, batch.budgets
+    eos_ids = batch.eos_ids
     device = model.device
     B, T = len(prompts), params.max_new_tokens
     prompt_ids, prompt_attn = left_pad(prompts, pad_id, device)  # [B, L]
