@@ -124,29 +124,27 @@ def _seen_prompts(flat_rows: list[dict], samples) -> list:
     ]
 
 
-def _table(tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples):
-    """One dict per example and sample (the eval table)."""
+def _table(tokenizer, rows: list[dict], samples: list, scores: dict[str, list]) -> list[dict]:
+    """One dict per example and sample (the eval table): its prompt, the sample, the row's
+    answer, and ``scores`` (``completion``, ``correct``, ``score``, ``formatted``, ``length``:
+    one value per sample each)."""
+    k = len(samples) // len(rows)  # prompt-major: row i's samples are [i*k, (i+1)*k)
+    flat_rows = [r for r in rows for _ in range(k)]
     texts = {i: row_prompt_text(tokenizer, r) for i, r in enumerate(rows)}
     seen = _seen_prompts(flat_rows, samples)
-    return [
-        {
-            "prompt": texts[j // k]
-            if samples[j].prompt is None
-            else row_prompt_text(tokenizer, {**r, "prompt": seen[j]}),
-            "sample_idx": j % k,
-            "completion": c,
-            "answer": r.get("answer"),
-            "correct": ok,
-            "score": sc,
-            "formatted": f,
-            "length": n,
-            "finish_reason": s.finish_reason,
-            **_episode(s),
-        }
-        for j, (r, c, ok, sc, f, n, s) in enumerate(
-            zip(flat_rows, completions, correct, score, fmt, lengths, samples, strict=True)
+    table = []
+    for j, (r, s) in enumerate(zip(flat_rows, samples, strict=True)):
+        prompt = (
+            texts[j // k]
+            if s.prompt is None
+            else row_prompt_text(tokenizer, {**r, "prompt": seen[j]})
         )
-    ]
+        table.append({"prompt": prompt, "sample_idx": j % k, "completion": scores["completion"][j],
+                      "answer": r.get("answer"), "correct": scores["correct"][j],
+                      "score": scores["score"][j], "formatted": scores["formatted"][j],
+                      "length": scores["length"][j], "finish_reason": s.finish_reason,
+                      **_episode(s)})  # fmt: skip
+    return table
 
 
 def _add_k_sample_metrics(
@@ -234,9 +232,9 @@ def evaluate(
     fmt = [v or 0.0 for v in scored.per_function[format_reward]]
     # the tokens the model wrote (a tool's output is the environment's: grpo_core/engines/turns.py)
     lengths = [len(s.completion_ids) if s.loss_mask is None else sum(s.loss_mask) for s in samples]
-    table = _table(
-        tokenizer, rows, k, flat_rows, completions, correct, score, fmt, lengths, samples
-    )
+    scores = {"completion": completions, "correct": correct, "score": score, "formatted": fmt,
+              "length": lengths}  # fmt: skip
+    table = _table(tokenizer, rows, samples, scores)
     n_rows = len(table)
     result = EvalResult(
         sum(correct) / n_rows, sum(fmt) / n_rows, sum(lengths) / n_rows, len(rows), table, k
