@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -190,6 +191,7 @@ class OnRay(Local):
     remote_sampling = True
     overlapped = False  # rollouts run beside the trainer group's update (:meth:`overlap`)
     trainer_restarts = 0  # trainer groups started again after a rank died (:meth:`update`)
+    seconds_lost = 0.0  # wall time of the failed attempts and the new groups' start
 
     def recoveries(self) -> dict[str, int]:
         """What this process has recovered from so far: trainer groups started again after
@@ -198,7 +200,8 @@ class OnRay(Local):
         from cluster import rollout_workers
 
         replaced = sum(g.replaced for g in rollout_workers.groups())
-        return {"trainer_restarts": self.trainer_restarts, "replicas_replaced": replaced}
+        return {"trainer_restarts": self.trainer_restarts, "replicas_replaced": replaced,
+                "trainer_seconds_lost": self.seconds_lost}  # fmt: skip
 
     def overlap(self, on: bool) -> None:
         """While on, the replicas read each policy's checkpoint (the trainer group wrote
@@ -269,9 +272,13 @@ class OnRay(Local):
         from cluster.trainer_group import ROLE, TrainerGroupError, trainer_group
 
         restarts = self.cfg.trainer.max_restarts
+        failed_at = None  # when the first failed attempt began
         for attempt in range(restarts + 1):
+            began = time.perf_counter()
             try:
-                result = trainer_group(self.cfg).run(on_rank, kwargs, what=what)
+                group = trainer_group(self.cfg)
+                redo = time.perf_counter()  # the work itself starts: the rest was lost
+                result = group.run(on_rank, kwargs, what=what)
             except TrainerGroupError as e:
                 out = Path(out_checkpoint)
                 for tmp in out.parent.glob(f".{out.name}.tmp-*"):  # rank 0 killed mid-save
@@ -279,10 +286,16 @@ class OnRay(Local):
                 if not e.lost or attempt == restarts:
                     raise
                 self.trainer_restarts += 1
+                failed_at = began if failed_at is None else failed_at
                 log.warning("%s; starting a new %s group (restart %d of %d): its ranks load "
                             "the policy again and redo the work", e, ROLE, attempt + 1,
                             restarts)  # fmt: skip
                 continue
+            if failed_at is not None:
+                lost = redo - failed_at
+                self.seconds_lost += lost
+                log.warning("%s: redone on a new %s group (ranks on nodes %s), %.1f s lost",
+                            what, ROLE, ", ".join(n[:8] for n in group.nodes), lost)  # fmt: skip
             for path in storage.pull(out_checkpoint):
                 log.info("pulled %s from the shared store", path)
             storage.mark_synced(out_checkpoint)

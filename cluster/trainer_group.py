@@ -189,6 +189,7 @@ class TrainerGroup:
         try:
             addr, port = ray.get(self.actors[0].address.remote())
             self.pids = ray.get([a.join.remote(addr, port) for a in self.actors])
+            self.nodes = ray.get([a.node_id.remote() for a in self.actors])
         except Exception as e:
             self.close()
             raise TrainerGroupError(
@@ -238,7 +239,8 @@ class TrainerGroup:
                     why = "died (killed, out of memory, or its node was lost)"
                 raise TrainerGroupError(
                     f"{what}: {ROLE} worker rank {rank} of {self.size} (pid "
-                    f"{self.pids[rank]}) {why}; the {ROLE} group was stopped",
+                    f"{self.pids[rank]}, node {self.nodes[rank][:8]}) {why}; the {ROLE} "
+                    "group was stopped",
                     lost=not isinstance(e, RayTaskError),
                 ) from e
         return ray.get(refs[0])

@@ -153,6 +153,8 @@ def test_grpo_run_on_ray_matches_the_contracts(ray_head, prefect_harness, tmp_pa
     assert restarts == {("ray", "rl_1"): 0, ("ray", "rl_2"): 0,
                         ("killed", "rl_1"): 1, ("killed", "rl_2"): 0}  # fmt: skip
     assert _stage_metric(tmp_path, "killed", "rl_1", "recovery/replicas_replaced") == 0
+    assert _stage_metric(tmp_path, "killed", "rl_1", "recovery/trainer_seconds_lost") > 0
+    assert _stage_metric(tmp_path, "ray", "rl_1", "recovery/trainer_seconds_lost") == 0
 
     local_summary = _run(tmp_path, "local", [])
     ray_acc = {r["stage"]: r["accuracy"] for r in ray_summary["stages"]}
