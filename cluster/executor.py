@@ -67,7 +67,7 @@ class Local:
         self._engine_process = None  # started with the first snapshot sampled
         self._threads: int | None = None  # torch threads before an overlapping stage
 
-    def recoveries(self) -> dict[str, int]:
+    def recoveries(self) -> dict[str, float]:
         """Lost workers replaced so far (:class:`OnRay`); one process has none to lose."""
         return {}
 
@@ -193,7 +193,7 @@ class OnRay(Local):
     trainer_restarts = 0  # trainer groups started again after a rank died (:meth:`update`)
     seconds_lost = 0.0  # wall time of the failed attempts and the new groups' start
 
-    def recoveries(self) -> dict[str, int]:
+    def recoveries(self) -> dict[str, float]:
         """What this process has recovered from so far: trainer groups started again after
         a rank died, rollout replicas started again after one died (a stage logs the
         difference over its run: flows/rl.py)."""

@@ -229,9 +229,10 @@ class _StageTasks:
             runtime.executor().overlap(False)
 
 
-def _recovered(before: dict[str, int]) -> dict[str, float]:
-    """``recovery/trainer_restarts`` and ``recovery/replicas_replaced`` during the stage (on
-    Ray; 0 in a run nothing disturbed), so a recovered stage shows in MLflow."""
+def _recovered(before: dict[str, float]) -> dict[str, float]:
+    """``recovery/trainer_restarts``, ``recovery/trainer_seconds_lost`` and
+    ``recovery/replicas_replaced`` during the stage (on Ray; 0 in a run nothing disturbed),
+    so a recovered stage shows in MLflow."""
     now = runtime.executor().recoveries()
     return {f"recovery/{k}": float(max(0, v - before.get(k, 0))) for k, v in now.items()}
 
