@@ -1,7 +1,7 @@
 """How far generation and the update are from what this machine can do.
 
-For each model shape (the demo's, SmolLM2-135M's; random weights, float32, as the CPU
-presets run), the machine's ceiling is measured at the shapes that matter:
+For each model shape (the demo's, SmolLM2-135M's: a randomly initialised Llama of that
+shape, float32, as the CPU presets run), the machine's ceiling is measured at the shapes that matter:
 
 - **matmul**: GFLOP/s of one decode step's linear layers (every projection of every layer
   and the LM head, ``[B, hidden] x [hidden, out]``) at each decode batch size B, and of the
@@ -14,11 +14,11 @@ A decode step's floor is then ``max(FLOPs / matmul rate, bytes / bandwidth)``: F
 plus every row's KV. The table prints our hf engine's decode tokens/s (``generate``,
 sampling, no EOS so every row decodes ``--new-tokens``) and ``transformers``' ``generate``
 (what TRL's GRPOTrainer samples with when vLLM is off) beside that ceiling, and the update
-(forward + backward, 6 x parameters x tokens FLOPs) beside the large-GEMM rate. The last
+(forward + backward, 6 x linear parameters x tokens FLOPs) beside the large-GEMM rate. The last
 table does the same arithmetic on paper for an H100 at the GPU preset's model
 (Qwen2.5-0.5B, bf16): no measurement, the data sheet's figures.
 
-    python benchmarks/bench_ceiling.py --threads 2                  # ~3 min on 2 cores
+    python benchmarks/bench_ceiling.py --threads 2                  # ~5 min on 2 cores
     python benchmarks/bench_ceiling.py --shapes demo --batches 1 16 --repeats 1
 """
 
