@@ -1,7 +1,8 @@
 """How far generation and the update are from what this machine can do.
 
 For each model shape (the demo's, SmolLM2-135M's: a randomly initialised Llama of that
-shape, float32, as the CPU presets run), the machine's ceiling is measured at the shapes that matter:
+shape, float32, as the CPU presets run), the machine's ceiling is measured at the shapes
+that matter:
 
 - **matmul**: GFLOP/s of one decode step's linear layers (every projection of every layer
   and the LM head, ``[B, hidden] x [hidden, out]``) at each decode batch size B, and of the
