@@ -18,24 +18,12 @@ from grpo_core.contracts.rollouts import rollout_table
 from grpo_core.contracts.text import row_prompt_ids
 from grpo_core.engines.environments import ToolSpec
 from grpo_core.engines.functions import function_schemas
-from grpo_core.engines.generation import Sample, SamplingParams
+from grpo_core.engines.generation import SamplingParams
 from grpo_core.engines.turns import run_turns
 from grpo_core.training.sft_examples import encode_examples
+from tests.tools.test_resft_ids import Scripted
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "configs" / "templates" / "smollm2-tools.jinja"
-
-
-class Scripted:
-    name = "scripted"
-
-    def __init__(self, tok, script):
-        self.tokenizer, self.script, self.k = tok, script, 0
-
-    def generate(self, prompt_ids, params, *, desc="", progress=True):
-        text, self.k = self.script[self.k], self.k + 1
-        got = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        got = got + [self.tokenizer.eos_token_id]
-        return [Sample(p, 0, got, [-0.5] * len(got), "stop") for p in range(len(prompt_ids))]
 
 
 def test_smollm2_tools_resft_trains_the_sampled_layout(smollm2_dir, tmp_path):

@@ -124,7 +124,7 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
 
     from flows import preflight
     from flows.r1 import r1_pipeline
-    from tests.tools.test_json_tools import run_on_files
+    from tests.tools.test_json_tools import TINY_RUN, run_on_files
 
     rows = [
         {
@@ -146,11 +146,7 @@ def test_function_tools_run_through_the_pipeline_with_the_templates_declarations
     data = run_on_files(tmp_path, {"sft": rows[:24], "rl": rows[24:48], "eval": rows[48:56]})
     overrides = [
         *data, "rollout.functions=[calculator]",
-        "sft.max_steps=4", "sft.batch_size=8", "sft.target_accuracy=null", "rl.iterations=1",
-        "rl.prompts_per_iteration=4", "rl.num_generations=2", "rl.steps_per_generation=1",
-        "rl.max_completion_length=24", "rl.eval_every=1", "rejection_sampling.num_prompts=4",
-        "rejection_sampling.require=[]", "rejection_sampling.max_completion_length=24",
-        "re_sft.max_steps=2", "rl_2={iterations: 1}", "eval.max_completion_length=24",
+        *TINY_RUN,
         f"output_dir={tmp_path / 'runs'}", f"tracking.uri={tracking_uri}",
     ]  # fmt: skip
     cfg = load_config(None, overrides)

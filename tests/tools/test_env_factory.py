@@ -145,7 +145,7 @@ def test_a_run_mixing_two_environments_by_row(prefect_harness, tmp_path, trackin
     from flows.config import load_config
     from flows.r1 import r1_pipeline
     from tasks.score import score_file
-    from tests.tools.test_json_tools import run_on_files
+    from tests.tools.test_json_tools import TINY_RUN, run_on_files
 
     def convo(env, a):
         first = call("add", n=a) if env == "counter" else call("buy", item="tea")
@@ -169,11 +169,7 @@ def test_a_run_mixing_two_environments_by_row(prefect_harness, tmp_path, trackin
         *data,
         f"rollout.environment_factory={{counter: '{COUNTER}', shop: '{SHOP}'}}",
         "rewards={environment: 1.0, format: 0.1}", "eval.accuracy_reward=environment",
-        "sft.max_steps=4", "sft.batch_size=8", "sft.target_accuracy=null", "rl.iterations=1",
-        "rl.prompts_per_iteration=4", "rl.num_generations=2", "rl.steps_per_generation=1",
-        "rl.max_completion_length=24", "rl.eval_every=1", "rejection_sampling.num_prompts=4",
-        "rejection_sampling.require=[]", "rejection_sampling.max_completion_length=24",
-        "re_sft.max_steps=2", "rl_2={iterations: 1}", "eval.max_completion_length=24",
+        *TINY_RUN,
         f"output_dir={tmp_path / 'runs'}", f"tracking.uri={tracking_uri}",
     ]  # fmt: skip
     cfg = load_config(None, overrides)

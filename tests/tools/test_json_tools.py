@@ -55,6 +55,17 @@ def chat_tokenizer():
 TOK = chat_tokenizer()
 
 
+# the whole-run tests' budget, after run_on_files' overrides: a 4-step cold start, one RL
+# iteration per stage, 24-token completions
+TINY_RUN = [
+    "sft.max_steps=4", "sft.batch_size=8", "sft.target_accuracy=null", "rl.iterations=1",
+    "rl.prompts_per_iteration=4", "rl.num_generations=2", "rl.steps_per_generation=1",
+    "rl.max_completion_length=24", "rl.eval_every=1", "rejection_sampling.num_prompts=4",
+    "rejection_sampling.require=[]", "rejection_sampling.max_completion_length=24",
+    "re_sft.max_steps=2", "rl_2={iterations: 1}", "eval.max_completion_length=24",
+]  # fmt: skip
+
+
 def run_on_files(tmp_path, splits: dict[str, list[dict]], *, hidden_size=32,
                  intermediate_size=64) -> list[str]:  # fmt: skip
     """A tiny random chat model with :func:`chat_tokenizer`'s template and ``splits`` (sft,
