@@ -34,7 +34,7 @@ def train(arm: str, seed: int, steps: int, out: Path) -> dict:
     from grpo_core.demo.model import save_base_model
     from grpo_core.demo.task import make_splits
     from tasks.policies.trainer import open_trainer
-    from tasks.sft import run_sft
+    from tasks.sft import SFTRequest, run_sft
 
     demo = load_config(None)  # the packaged demo preset
     d = demo.data.demo
@@ -60,8 +60,8 @@ def train(arm: str, seed: int, steps: int, out: Path) -> dict:
     open_trainer().forget()
     start = time.perf_counter()
     try:
-        res = run_sft(stage="cold_start_sft", init_checkpoint=str(base), data_path=str(data),
-                      out_checkpoint=str(ckpt), cfg=cfg, seed=seed)  # fmt: skip
+        res = run_sft(SFTRequest("cold_start_sft", str(base), str(data), str(ckpt), cfg,
+                                 seed=seed))  # fmt: skip
     finally:
         if ray:
             trainer_group.release()

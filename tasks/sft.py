@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shutil
+from dataclasses import dataclass
+from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -31,24 +33,31 @@ from tasks.tracking.stages import Tracking
 from tasks.workspace import Workspace
 
 
+@dataclass(frozen=True)
+class SFTRequest:
+    """One SFT stage's training: from ``init_checkpoint`` on ``data_path`` to
+    ``out_checkpoint`` with ``cfg``; ``dev_path``: the dev rows of early stopping
+    (``cfg.target_accuracy``), sampled up to ``max_completion_length`` tokens, with ``tools``
+    (``rollout.tools``' settings) and scored by ``accuracy_reward``; ``resume_key``: a run
+    with the same key resumes from the mid-stage checkpoint (``cfg.checkpoint_every``)."""
+
+    stage: str
+    init_checkpoint: str
+    data_path: str
+    out_checkpoint: str
+    cfg: SFTConfig
+    dev_path: str | None = None
+    max_completion_length: int = 48
+    seed: int = 0
+    tools: Any = None
+    accuracy_reward: str = "accuracy"
+    resume_key: str = ""
+
+
 def train_stage(
-    stage,
-    init_checkpoint,
-    data_path,
-    out_checkpoint,
-    cfg: SFTConfig,
-    *,
-    dev_path=None,
-    max_completion_length=48,
-    seed=0,
-    on_step=None,
-    on_resume=None,
-    resume_key: str = "",
-    data_parallel=None,
-    tools=None,
-    accuracy_reward: str = "accuracy",
+    request: SFTRequest, *, on_step=None, on_resume=None, data_parallel=None
 ) -> SFTOutcome:
-    """Train from ``init_checkpoint`` on ``data_path``; save to ``out_checkpoint``; summary.
+    """Train as ``request`` says; save; the summary.
 
     With ``cfg.checkpoint_every`` > 0 the state is saved every K steps beside the output
     (``Workspace.resume_checkpoint``) and a run with the same ``resume_key`` resumes from it.
@@ -59,6 +68,9 @@ def train_stage(
     from grpo_core.training.parallel import LOCAL
     from grpo_core.training.sft import train_sft
 
+    r, cfg, stage = request, request.cfg, request.stage
+    init_checkpoint, out_checkpoint, dev_path = r.init_checkpoint, r.out_checkpoint, r.dev_path
+    data_path = r.data_path
     log = logger(__name__)
     dp = data_parallel or LOCAL
     pull(init_checkpoint, data_path, dev_path)  # a rank on a node without the run folder
@@ -78,12 +90,14 @@ def train_stage(
             w.tokenizer,
             rows,
             cfg.training,
-            seed=seed,
-            dev_eval=_dev_eval(w, dev_rows, max_completion_length, stage, tools, accuracy_reward),
+            seed=r.seed,
+            dev_eval=_dev_eval(
+                w, dev_rows, r.max_completion_length, stage, r.tools, r.accuracy_reward
+            ),
             on_step=on_step,
             desc=stage,
             resume_dir=Workspace.resume_checkpoint(out_checkpoint),
-            resume_key=resume_key,
+            resume_key=r.resume_key,
             on_resume=on_resume,
             logger=log,
             parallel=dp,
@@ -126,25 +140,25 @@ def _save(w, out_checkpoint: str, info: dict, dp) -> None:
         pull(out_checkpoint)
 
 
-def sft_on_rank(data_parallel, model_options, **kwargs) -> SFTOutcome:
+def sft_on_rank(data_parallel, model_options, request: SFTRequest) -> SFTOutcome:
     """One rank of the trainer group (a Ray actor): the run's model load options, then
     :func:`train_stage` with this rank's ``data_parallel``."""
     process.load_policies_with(model_options)
-    return train_stage(**kwargs, data_parallel=data_parallel)
+    return train_stage(request, data_parallel=data_parallel)
 
 
-def run_sft(*, on_step=None, on_resume=None, **kwargs) -> SFTOutcome:
-    """:func:`train_stage` (keywords) where this process's executor trains: here, with the
-    live step callbacks, or on every rank of the trainer group (``cluster.backend: ray``),
-    whose per-step metrics ``on_resume`` gets once rank 0 returns them."""
+def run_sft(request: SFTRequest, *, on_step=None, on_resume=None) -> SFTOutcome:
+    """:func:`train_stage` where this process's executor trains: here, with the live step
+    callbacks, or on every rank of the trainer group (``cluster.backend: ray``), whose
+    per-step metrics ``on_resume`` gets once rank 0 returns them."""
     from cluster import runtime
 
     out = runtime.executor().update(
         functools.partial(train_stage, on_step=on_step, on_resume=on_resume),
         functools.partial(sft_on_rank, model_options=loading.options()),
-        kwargs,
-        what=f"{kwargs['stage']} SFT",
-        out_checkpoint=kwargs["out_checkpoint"],
+        {"request": request},
+        what=f"{request.stage} SFT",
+        out_checkpoint=request.out_checkpoint,
     )
     if out.history is not None and on_resume is not None:
         on_resume(out.steps, out.history)
@@ -229,19 +243,21 @@ def sft_stage(
             key,
             force=force,
             compute=lambda: run_sft(
-                stage=stage,
-                init_checkpoint=init_checkpoint,
-                data_path=data_path,
-                out_checkpoint=out_checkpoint,
-                cfg=cfg,
-                dev_path=dev_path,
-                max_completion_length=max_completion_length,
-                seed=seed,
-                tools=tools,
-                accuracy_reward=accuracy_reward,
+                SFTRequest(
+                    stage=stage,
+                    init_checkpoint=init_checkpoint,
+                    data_path=data_path,
+                    out_checkpoint=out_checkpoint,
+                    cfg=cfg,
+                    dev_path=dev_path,
+                    max_completion_length=max_completion_length,
+                    seed=seed,
+                    tools=tools,
+                    accuracy_reward=accuracy_reward,
+                    resume_key=key,
+                ),
                 on_step=log_step,
                 on_resume=log_restored,
-                resume_key=key,
             ),
         )
         # done (trained or reused): the mid-stage checkpoint is no longer needed

@@ -372,7 +372,7 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
     from cluster import runtime, trainer_group
     from grpo_core.demo.task import make_splits
     from tasks.policies.trainer import open_trainer
-    from tasks.sft import run_sft
+    from tasks.sft import SFTRequest, run_sft
 
     rows = make_splits(digits=2, n_sft=n_rows, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
     data = tmp_path / "sft.jsonl"
@@ -384,13 +384,13 @@ def _sft_parity(ray_trainers, tiny_checkpoint, tmp_path, strategy, cfg, *, n_row
     open_trainer().forget()
     local: list = []  # the one-process run's per-step metrics, as it logs them live
     restored: list = []  # the ranks': handed to the driver with rank 0's result
-    one = run_sft(**kwargs, out_checkpoint=str(tmp_path / "one"),
+    one = run_sft(SFTRequest(**kwargs, out_checkpoint=str(tmp_path / "one")),
                   on_step=lambda step, m: local.append(m))  # fmt: skip
     trainer = ray_trainers.trainer.model_copy(update={"strategy": strategy})
     cfg_ray = ray_trainers.model_copy(update={"trainer": trainer})
     runtime.configure(cfg_ray)
     try:
-        two = run_sft(**kwargs, out_checkpoint=str(tmp_path / "two"),
+        two = run_sft(SFTRequest(**kwargs, out_checkpoint=str(tmp_path / "two")),
                       on_resume=lambda step, history: restored.extend(history))  # fmt: skip
         pids = trainer_group.trainer_group(cfg_ray).pids
     finally:

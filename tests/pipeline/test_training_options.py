@@ -90,14 +90,16 @@ def test_peak_memory_sees_an_allocation_of_the_stage():
 def test_sft_stage_with_budget_bf16_reports_peak_memory(tiny_checkpoint, tmp_path):
     from grpo_core.demo.task import make_splits
     from tasks.policies.trainer import open_trainer
-    from tasks.sft import train_stage
+    from tasks.sft import SFTRequest, train_stage
 
     rows = make_splits(digits=2, n_sft=16, n_rl=1, n_dev=0, n_eval=1, seed=0).sft
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = SFTConfig(max_steps=3, batch_size=8, bf16=True, max_tokens_per_microbatch=64)
     open_trainer().forget()
-    out = train_stage("sft", str(tiny_checkpoint), str(data), str(tmp_path / "out"), cfg)
+    out = train_stage(
+        SFTRequest("sft", str(tiny_checkpoint), str(data), str(tmp_path / "out"), cfg)
+    )
     assert out.steps == 3 and out.peak_memory_gib > 0
     assert torch.isfinite(torch.tensor(out.final_loss))
     open_trainer().forget()
